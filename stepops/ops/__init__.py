@@ -1,0 +1,1 @@
+"""The stepops custom ops, one package per op (schema, wrapper, kernels, samples)."""

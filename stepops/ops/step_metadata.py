@@ -1,0 +1,51 @@
+"""Per-token metadata of a ragged step, built on the device with no host sync.
+
+A step flattens the new tokens of many requests: request ``r`` owns tokens
+``query_start_loc[r] : query_start_loc[r + 1]`` and, after the step, holds ``seq_lens[r]`` tokens, so its
+first new token sits at position ``seq_lens[r] - (query_start_loc[r + 1] - query_start_loc[r])``.
+Buffers have a fixed length ``num_tokens`` (the CUDA-graph capture size); tokens past
+``query_start_loc[-1]`` are padding and get ``-1`` everywhere. Padded requests have zero new tokens.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+
+class TokenMetadata(NamedTuple):
+    """int32 tensors of shape ``[num_tokens]``; ``-1`` marks a padding token."""
+
+    request: torch.Tensor  # index of the token's request
+    chunk_start: torch.Tensor  # flat index of the request's first token in this step
+    position: torch.Tensor  # absolute position of the token in its sequence
+
+
+def build_token_metadata(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, num_tokens: int) -> TokenMetadata:
+    """Map each of ``num_tokens`` flat token slots to its request, chunk start and position.
+
+    ``query_start_loc``: ``[R + 1]`` int, non-decreasing, starting at 0. ``seq_lens``: ``[R]`` int.
+    Every output lives on ``query_start_loc.device``; shapes depend only on ``num_tokens``.
+    """
+    if query_start_loc.dim() != 1 or seq_lens.dim() != 1 or query_start_loc.numel() != seq_lens.numel() + 1:
+        raise ValueError(
+            f"query_start_loc must be [R + 1] and seq_lens [R]; got {tuple(query_start_loc.shape)} "
+            f"and {tuple(seq_lens.shape)}"
+        )
+    qsl = query_start_loc.to(torch.int64)
+    token = torch.arange(num_tokens, device=qsl.device, dtype=torch.int64)
+    # right=True skips zero-length (padded) requests: a token belongs to the last request starting at or
+    # before it.
+    request = torch.searchsorted(qsl, token, right=True) - 1
+    is_real = token < qsl[-1]
+    request = torch.where(is_real, request, torch.zeros_like(request)).clamp_(max=seq_lens.numel() - 1)
+    chunk_start = qsl[request]
+    query_len = qsl[request + 1] - chunk_start
+    position = seq_lens.to(torch.int64)[request] - query_len + (token - chunk_start)
+    pad = torch.full_like(token, -1)
+    return TokenMetadata(
+        request=torch.where(is_real, request, pad).to(torch.int32),
+        chunk_start=torch.where(is_real, chunk_start, pad).to(torch.int32),
+        position=torch.where(is_real, position, pad).to(torch.int32),
+    )

@@ -1,0 +1,34 @@
+"""Every stepops op is complete: a fake, a CPU kernel, a CUDA kernel, samples; schemas are snapshotted."""
+
+import torch
+from expecttest import TestCase
+
+from stepops._library import NAMESPACE, registered_ops
+from stepops.testing import op_samples
+
+
+def _namespace_op_names() -> set[str]:
+    ns = getattr(torch.ops, NAMESPACE)
+    return {n for n in dir(ns) if isinstance(getattr(ns, n, None), torch._ops.OpOverloadPacket)}
+
+
+def test_every_namespace_op_is_declared_through_the_helper():
+    assert _namespace_op_names() == {e.name for e in registered_ops()}
+
+
+def test_every_op_has_fake_kernels_and_samples():
+    for entry in registered_ops():
+        qualname = entry.qualname
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(qualname, "CPU"), qualname
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(qualname, "CUDA"), qualname
+        assert entry.fake.__module__.startswith("stepops._meta."), f"{qualname}: fake lives outside _meta"
+        assert entry.torch_kernel.__doc__, f"{qualname}: the PyTorch kernel documents the op"
+        names = [s.name for s in op_samples(op_name=entry.name)]
+        assert names, f"{qualname} has no samples"
+        assert len(names) == len(set(names)), f"{qualname}: duplicate sample names {names}"
+
+
+class TestSchemas(TestCase):
+    def test_schema_snapshot(self):
+        schemas = "\n".join(str(e.overload._schema) for e in registered_ops())
+        self.assertExpectedInline(schemas, """""")
