@@ -1,0 +1,31 @@
+"""The ``python -m stepops`` command line: one module per subcommand.
+
+Each subcommand module has ``register(subparsers)``, which adds its parser and sets ``run`` (a function
+of the parsed arguments returning the exit status) as the parser default. Adding a subcommand is a new
+module here and one entry in ``_COMMANDS``.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+
+from stepops.cli import layout
+
+_COMMANDS = (layout,)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m stepops",
+        description="stepops: cache ops for Step5 and Inkling hybrid-attention decoders.",
+    )
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for command in _COMMANDS:
+        command.register(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.run(args)

@@ -1,0 +1,178 @@
+"""``python -m stepops layout [step5|inkling] ...``: print a cache page layout; size ``--block-size``.
+
+Without a model, prints both layouts with their defaults. The defaults are illustrative model numbers
+(an MLA-style Step5 main layer, a Llama-8B-shaped Inkling layer), not published configurations: pass
+your model's numbers. When the layout does not fit, prints the layout's error text to stderr and exits 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+from stepops.layouts import (
+    BLOCK_SIZE_CANDIDATES,
+    CSATailRingLayout,
+    InklingConvStateLayout,
+    InklingStream,
+    attention_page_bytes,
+    smallest_block_size,
+)
+
+_ILLUSTRATIVE = "Defaults are illustrative numbers, not a published model configuration."
+_MAIN_DTYPES = ("bfloat16", "float16", "float8_e4m3fn")
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "layout",
+        help="print the Step5 / Inkling cache page layouts and the block size that fits",
+        description="Print a cache page layout for given model numbers. Without a model, prints both "
+        "with their defaults. " + _ILLUSTRATIVE,
+    )
+    parser.set_defaults(run=_run_both)
+    models = parser.add_subparsers(dest="model", metavar="MODEL")
+
+    step5 = models.add_parser(
+        "step5",
+        help="the Step5 CSA tail ring inside the main attention layer's KV page",
+        description="The Step5 CSA tail ring: 7 + k rows of 1024 bytes in one KV page of the main "
+        "attention layer. Give the main layer's numbers (per rank) or its --page-bytes. "
+        "Defaults: an MLA-style main layer (one 576-wide latent per token, bf16). " + _ILLUSTRATIVE,
+    )
+    step5.add_argument("--block-size", type=int, default=64, help="main layer's block size (default 64)")
+    step5.add_argument("--num-kv-heads", type=int, default=1, help="main layer's KV heads per rank (default 1)")
+    step5.add_argument("--head-size", type=int, default=576, help="main layer's key head size (default 576)")
+    step5.add_argument(
+        "--head-size-v", type=int, default=0, help="main layer's value head size; 0 for one latent (default 0)"
+    )
+    step5.add_argument("--dtype", choices=_MAIN_DTYPES, default="bfloat16", help="main layer's KV cache dtype")
+    step5.add_argument(
+        "--page-bytes", type=int, default=None, help="main layer's page size in bytes; overrides the head numbers"
+    )
+    step5.add_argument(
+        "--num-speculative-tokens", type=int, default=3, help="speculative tokens k per step (default 3)"
+    )
+    step5.set_defaults(run=_run_step5)
+
+    inkling = models.add_parser(
+        "inkling",
+        help="the Inkling short-conv state: four conv streams packed per KV head",
+        description="The Inkling short-conv state cache [num_blocks, H, N, D]. Defaults: a "
+        "Llama-8B-shaped layer (8 KV heads of 128, hidden 4096), kernel 4. " + _ILLUSTRATIVE,
+    )
+    inkling.add_argument("--num-kv-heads", type=int, default=8, help="KV heads, all ranks (default 8)")
+    inkling.add_argument("--head-dim", type=int, default=128, help="KV head dim (default 128)")
+    inkling.add_argument("--hidden-size", type=int, default=4096, help="model hidden size (default 4096)")
+    inkling.add_argument("--kernel-size", type=int, default=4, help="conv kernel size W (default 4)")
+    inkling.add_argument("--tp-size", type=int, default=1, help="tensor-parallel ranks (default 1)")
+    inkling.add_argument(
+        "--block-size", type=int, default=None, help="tokens per block N, >= kernel size (default: kernel size)"
+    )
+    inkling.set_defaults(run=_run_inkling)
+
+    parser.set_defaults(_defaults={"step5": step5.parse_args([]), "inkling": inkling.parse_args([])})
+
+
+def _print_table(title: str, rows: list[tuple[str, str]]) -> None:
+    width = max(len(label) for label, _ in rows)
+    print(title)
+    for label, value in rows:
+        print(f"  {label:<{width}}  {value}")
+
+
+def _run_both(args: argparse.Namespace) -> int:
+    status = _run_step5(args._defaults["step5"])
+    print()
+    return status or _run_inkling(args._defaults["inkling"])
+
+
+def _run_step5(args: argparse.Namespace) -> int:
+    k = args.num_speculative_tokens
+    try:
+        if args.page_bytes is None:
+            dtype_bytes = getattr(torch, args.dtype).itemsize
+            per_token = attention_page_bytes(
+                block_size=1,
+                num_kv_heads=args.num_kv_heads,
+                head_size=args.head_size,
+                head_size_v=args.head_size_v,
+                dtype_bytes=dtype_bytes,
+            )
+            page_bytes = args.block_size * per_token
+            main = (
+                f"{args.num_kv_heads} KV head(s) x ({args.head_size} + {args.head_size_v}) x {dtype_bytes} B"
+                f" = {per_token} B per token"
+            )
+        else:
+            page_bytes = args.page_bytes
+            per_token = None
+            main = "page size given"
+        layout = CSATailRingLayout(page_bytes=page_bytes, block_size=args.block_size, num_speculative_tokens=k)
+        if per_token is None and page_bytes % args.block_size == 0:
+            per_token = page_bytes // args.block_size
+    except (ValueError, TypeError) as error:
+        print(error, file=sys.stderr)
+        return 1
+
+    smallest = "n/a (per-token size unknown)"
+    if per_token is not None:
+        try:
+            block = smallest_block_size(bytes_per_token=per_token, num_speculative_tokens=k)
+            smallest = f"{block} (page {block * per_token} B, capacity {block * per_token // layout.row_bytes} rows)"
+        except ValueError:
+            smallest = f"none among multiples of 16 up to {BLOCK_SIZE_CANDIDATES[-1]}"
+    _print_table(
+        "Step5 CSA tail ring",
+        [
+            ("main attention layer", main),
+            ("block size", f"{layout.block_size}"),
+            ("KV page", f"{layout.page_bytes} B"),
+            ("speculative tokens k", f"{k}"),
+            ("required rows (7 + k)", f"{layout.required_rows} of {layout.row_bytes} B"),
+            ("ring capacity", f"{layout.capacity} rows (position p -> row p % {layout.capacity})"),
+            ("rows_per_block", f"{layout.capacity} unpadded; block stride / {layout.row_elements} if strided wider"),
+            ("ring spec head_size", f"{layout.head_size} bf16 per token (1 KV head)"),
+            ("smallest block size", f"{smallest}; candidates: multiples of 16"),
+        ],
+    )
+    return 0
+
+
+def _run_inkling(args: argparse.Namespace) -> int:
+    try:
+        layout = InklingConvStateLayout(
+            num_kv_heads=args.num_kv_heads,
+            head_dim=args.head_dim,
+            hidden_size=args.hidden_size,
+            kernel_size=args.kernel_size,
+            tp_size=args.tp_size,
+        )
+        shape = layout.cache_shape(1, args.block_size)
+        page_bytes = layout.page_bytes(args.block_size)
+    except (ValueError, TypeError) as error:
+        print(error, file=sys.stderr)
+        return 1
+
+    _, heads, block_size, head_size = shape
+    rows = [
+        ("KV heads per rank (H)", f"{heads} ({layout.num_kv_heads} / tp_size {layout.tp_size})"),
+        ("head_dim, hidden_per_head", f"{layout.head_dim}, {layout.hidden_per_head}"),
+        (
+            "D (head_size)",
+            f"{head_size} = next power of two of 2*{layout.head_dim} + 2*{layout.hidden_per_head} = "
+            f"{layout.packed_width} ({head_size - layout.packed_width} padding)",
+        ),
+    ]
+    for stream in InklingStream:
+        offset, width = layout.stream_range(stream)
+        rows.append((f"stream {stream.name}", f"[{offset}, {offset + width}) width {width}"))
+    rows += [
+        ("block size (N)", f"{block_size} (kernel size {layout.kernel_size})"),
+        ("cache shape (HND)", f"[num_blocks, {heads}, {block_size}, {head_size}] bfloat16"),
+        ("page bytes", f"{page_bytes} per block"),
+    ]
+    _print_table("Inkling short-conv state", rows)
+    return 0
