@@ -1,0 +1,97 @@
+"""KV-cache specs: what one layer asks of the paged KV cache, independent of any engine.
+
+Modelled on the specs inference engines use to plan their paged caches (vLLM's ``kv_cache_interface``):
+a spec says how many tokens one block holds (``block_size``), how wide each token is (``num_kv_heads``
+heads of ``head_size`` key elements plus ``head_size_v`` value elements) and in which ``dtype``. One block
+of a layer's cache is one *page* of ``page_size_bytes``. The page unifier (:mod:`stepops.allocator`)
+makes every layer's page the same size; the owners (:mod:`stepops.owners`) emit these specs and bind the
+caches the allocator makes.
+
+``head_size_v`` defaults to ``head_size`` (a layer that stores K and V of the same width), as in vLLM.
+Pass ``head_size_v=0`` for a layer that packs everything into ``head_size`` (the CSA tail ring, the
+Inkling conv state, MLA-style latents).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+
+def _check_int(name: str, value: object, minimum: int) -> None:
+    # bool is an int subclass; a flag passed as a size is a caller bug.
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class AttentionSpec:
+    """Paged KV cache of one attention-like layer: ``block_size`` tokens of ``num_kv_heads`` heads per page.
+
+    Each token holds ``head_size`` key elements and ``head_size_v`` value elements per head
+    (``head_size_v=None`` means ``head_size``; ``0`` means everything is packed into ``head_size``).
+    """
+
+    block_size: int
+    num_kv_heads: int
+    head_size: int
+    dtype: torch.dtype
+    head_size_v: int | None = None
+
+    def __post_init__(self) -> None:
+        _check_int("block_size", self.block_size, 1)
+        _check_int("num_kv_heads", self.num_kv_heads, 1)
+        _check_int("head_size", self.head_size, 1)
+        if self.head_size_v is None:
+            # Frozen dataclass: the default is resolved once, here.
+            object.__setattr__(self, "head_size_v", self.head_size)
+        _check_int("head_size_v", self.head_size_v, 0)
+        if not isinstance(self.dtype, torch.dtype):
+            raise TypeError(f"dtype must be a torch.dtype, got {type(self.dtype).__name__}")
+
+    @property
+    def page_size_bytes(self) -> int:
+        """Bytes of one block: ``block_size * num_kv_heads * (head_size + head_size_v) * itemsize``."""
+        return self.block_size * self.num_kv_heads * (self.head_size + self.head_size_v) * self.dtype.itemsize
+
+    def with_block_size(self, block_size: int) -> AttentionSpec:
+        """The same spec with another ``block_size`` (same type, every other field kept)."""
+        return dataclasses.replace(self, block_size=block_size)
+
+
+@dataclass(frozen=True, kw_only=True)
+class FullAttentionSpec(AttentionSpec):
+    """A layer that keeps every token's K and V (full causal attention)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class SlidingWindowSpec(AttentionSpec):
+    """A layer that only ever reads the last ``sliding_window`` tokens of each request.
+
+    ``block_size`` may exceed ``sliding_window`` (the page unifier enlarges small pages that way).
+    """
+
+    sliding_window: int
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check_int("sliding_window", self.sliding_window, 1)
+
+
+@dataclass(frozen=True, kw_only=True)
+class CircularBufferSpec(AttentionSpec):
+    """A layer that keeps a fixed-size ring of rows in each request's block (the Step5 CSA tail ring).
+
+    Rows are addressed across blocks, so when the unifier pads this layer's page its block stride must
+    be a whole number of ``block_stride_alignment`` bytes.
+    """
+
+    block_stride_alignment: int
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check_int("block_stride_alignment", self.block_stride_alignment, 1)
