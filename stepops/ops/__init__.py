@@ -1,1 +1,2 @@
 """The stepops custom ops, one package per op (schema, wrapper, kernels, samples)."""
+from stepops.ops import paged_kv_write  # noqa: E402, F401

@@ -1,0 +1,57 @@
+"""``stepops::paged_kv_write``: store each token's key and value rows at its slot of a paged KV cache.
+
+The attention layers of both models write their new keys and values through this op before reading the
+cache; see :func:`stepops.ops.paged_kv_write.torch_kernel.paged_kv_write_torch` for the semantics.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from stepops._library import declare_op
+from stepops._meta.paged_kv_write import check_paged_kv_write_args, paged_kv_write_fake
+from stepops.ops.paged_kv_write.samples import paged_kv_write_samples
+from stepops.ops.paged_kv_write.torch_kernel import paged_kv_write_torch
+from stepops.ops.paged_kv_write.triton_kernel import paged_kv_write_triton
+
+paged_kv_write_op = declare_op(
+    "paged_kv_write",
+    mutates_args=("key_cache", "value_cache"),
+    torch_kernel=paged_kv_write_torch,
+    triton_kernel=paged_kv_write_triton,
+    fake=paged_kv_write_fake,
+    samples=paged_kv_write_samples,
+)
+
+
+def paged_kv_write(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    *,
+    validate: bool = False,
+) -> None:
+    """Write ``key [T, H, D]`` and ``value [T, H, Dv]`` to ``key_cache``/``value_cache [num_blocks, N, H, *]``.
+
+    Token ``t`` goes to block ``slot_mapping[t] // N``, offset ``slot_mapping[t] % N``; slot ``-1`` (padding)
+    writes nothing. ``validate=True`` also checks on the host (a sync) that every slot is ``-1`` or inside
+    the cache and that no two tokens share a slot; leave it off in compiled and captured code.
+    """
+    if validate:
+        check_paged_kv_write_args(key, value, key_cache, value_cache, slot_mapping)
+        slots = slot_mapping.to(torch.int64).cpu()
+        num_slots = key_cache.shape[0] * key_cache.shape[1]
+        bad = (slots < -1) | (slots >= num_slots)
+        if bool(bad.any()):
+            raise ValueError(
+                f"paged_kv_write: slots must be -1 or in [0, {num_slots}); got {slots[bad][:8].tolist()}"
+            )
+        real = slots[slots >= 0]
+        if real.unique().numel() != real.numel():
+            raise ValueError("paged_kv_write: two tokens of one call share a slot")
+    paged_kv_write_op(key, value, key_cache, value_cache, slot_mapping)
+
+
+__all__ = ["paged_kv_write"]

@@ -1,0 +1,40 @@
+"""The PyTorch kernel of ``stepops::paged_kv_write``: the readable specification (and the CPU path)."""
+
+from __future__ import annotations
+
+import torch
+
+from stepops._meta.paged_kv_write import check_paged_kv_write_args
+
+
+def paged_kv_write_torch(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Store each token's key and value rows at its slot of a paged KV cache.
+
+    Shapes: ``key [T, H, D]``, ``value [T, H, Dv]``; ``key_cache [num_blocks, N, H, D]`` and
+    ``value_cache [num_blocks, N, H, Dv]`` (NHD pages of ``N`` tokens; any strides, e.g. a page-strided view
+    of a larger buffer); ``slot_mapping [T]`` int32/int64. Caches have their input's dtype: the op copies bits.
+
+    Semantics: for every token ``t`` with ``slot = slot_mapping[t] >= 0``,
+    ``key_cache[slot // N, slot % N] = key[t]`` and ``value_cache[slot // N, slot % N] = value[t]``.
+    ``slot = -1`` marks a padding token and writes nothing; nothing but the named slots is written.
+
+    Invariants the caller keeps: every slot is ``-1`` or in ``[0, num_blocks * N)``; no two tokens of one
+    call share a slot (which one would win is unspecified). Slot ranges are checked only by the wrapper's
+    ``validate=True``, which syncs with the host.
+    """
+    check_paged_kv_write_args(key, value, key_cache, value_cache, slot_mapping)
+    block_size = key_cache.shape[1]
+    slots = slot_mapping.to(torch.int64)
+    keep = slots >= 0
+    # Padding tokens are dropped by index (a data-dependent size): fine inside an opaque op on the CPU path.
+    tokens = keep.nonzero().squeeze(1)
+    blocks = slots[tokens] // block_size
+    offsets = slots[tokens] % block_size
+    key_cache[blocks, offsets] = key[tokens]
+    value_cache[blocks, offsets] = value[tokens]

@@ -1,0 +1,99 @@
+"""The Triton kernel of ``stepops::paged_kv_write`` (CUDA path).
+
+One program per token copies the token's ``[H, D]`` key tile and ``[H, Dv]`` value tile into its slot. The
+op is a pure copy: values are loaded and stored in their own dtype with no arithmetic, so the result is
+bit-identical to the PyTorch kernel on a GPU and under ``TRITON_INTERPRET=1``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from stepops._meta.paged_kv_write import check_paged_kv_write_args
+
+
+@triton.jit
+def _paged_kv_write_kernel(
+    key_ptr,
+    value_ptr,
+    key_cache_ptr,
+    value_cache_ptr,
+    slot_mapping_ptr,
+    block_size,
+    num_heads,
+    head_size,
+    head_size_v,
+    key_stride_t,
+    key_stride_h,
+    key_stride_d,
+    value_stride_t,
+    value_stride_h,
+    value_stride_d,
+    key_cache_stride_b,
+    key_cache_stride_n,
+    key_cache_stride_h,
+    key_cache_stride_d,
+    value_cache_stride_b,
+    value_cache_stride_n,
+    value_cache_stride_h,
+    value_cache_stride_d,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+    # Padding (slot -1) writes nothing: every store below is masked by `write`, so the grid stays one
+    # program per token whatever the data (CUDA-graph safe).
+    block = tl.where(slot >= 0, slot // block_size, 0)
+    offset = tl.where(slot >= 0, slot % block_size, 0)
+    heads = tl.arange(0, BLOCK_H)[:, None]
+    head_ok = heads < num_heads
+    # A [BLOCK_H, 1] tensor rather than a scalar: the interpreter rejects a scalar bool in a mask.
+    write = (heads * 0 + slot) >= 0
+
+    dims = tl.arange(0, BLOCK_D)[None, :]
+    mask = head_ok & (dims < head_size)
+    k = tl.load(key_ptr + token * key_stride_t + heads * key_stride_h + dims * key_stride_d, mask=mask)
+    k_dst = key_cache_ptr + block * key_cache_stride_b + offset * key_cache_stride_n
+    tl.store(k_dst + heads * key_cache_stride_h + dims * key_cache_stride_d, k, mask=mask & write)
+
+    dims_v = tl.arange(0, BLOCK_DV)[None, :]
+    mask_v = head_ok & (dims_v < head_size_v)
+    v = tl.load(value_ptr + token * value_stride_t + heads * value_stride_h + dims_v * value_stride_d, mask=mask_v)
+    v_dst = value_cache_ptr + block * value_cache_stride_b + offset * value_cache_stride_n
+    tl.store(v_dst + heads * value_cache_stride_h + dims_v * value_cache_stride_d, v, mask=mask_v & write)
+
+
+def paged_kv_write_triton(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Launch one program per token; the grid depends only on ``T`` (see the PyTorch kernel for semantics)."""
+    check_paged_kv_write_args(key, value, key_cache, value_cache, slot_mapping)
+    num_tokens, num_heads, head_size = key.shape
+    if num_tokens == 0:
+        return
+    _paged_kv_write_kernel[(num_tokens,)](
+        key,
+        value,
+        key_cache,
+        value_cache,
+        slot_mapping,
+        key_cache.shape[1],
+        num_heads,
+        head_size,
+        value.shape[2],
+        *key.stride(),
+        *value.stride(),
+        *key_cache.stride(),
+        *value_cache.stride(),
+        BLOCK_H=triton.next_power_of_2(num_heads),
+        BLOCK_D=triton.next_power_of_2(head_size),
+        BLOCK_DV=triton.next_power_of_2(value.shape[2]),
+    )

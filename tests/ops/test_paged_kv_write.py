@@ -1,0 +1,103 @@
+"""``stepops::paged_kv_write``: a per-token Python reference, poisoned caches, the Triton kernel bitwise."""
+
+import pytest
+import torch
+
+from stepops.ops.paged_kv_write import paged_kv_write
+from stepops.ops.paged_kv_write.triton_kernel import paged_kv_write_triton
+from stepops.testing import op_samples
+from conftest import triton_device
+
+_SAMPLES = list(op_samples(op_name="paged_kv_write"))
+
+
+def _reference(key, value, key_cache, value_cache, slot_mapping):
+    """Independent formulation: walk the tokens one by one and copy each row element by element per head."""
+    key_cache, value_cache = key_cache.clone(), value_cache.clone()
+    block_size = key_cache.shape[1]
+    for t, slot in enumerate(slot_mapping.tolist()):
+        if slot == -1:
+            continue
+        for h in range(key.shape[1]):
+            key_cache[slot // block_size, slot % block_size, h, :] = key[t, h, :]
+            value_cache[slot // block_size, slot % block_size, h, :] = value[t, h, :]
+    return key_cache, value_cache
+
+
+def _base(cache: torch.Tensor) -> torch.Tensor:
+    """The whole storage behind a (possibly page-strided) cache view, to check bytes between pages too."""
+    return torch.as_strided(cache, (cache.untyped_storage().nbytes() // cache.element_size(),), (1,))
+
+
+@pytest.mark.parametrize("sample", _SAMPLES, ids=[s.name for s in _SAMPLES])
+def test_matches_reference_and_touches_nothing_else(sample):
+    key, value, key_cache, value_cache, slots = sample.args
+    want_k, want_v = _reference(key, value, key_cache, value_cache, slots)
+    base_k_before, base_v_before = _base(key_cache).clone(), _base(value_cache).clone()
+    paged_kv_write(key, value, key_cache, value_cache, slots, validate=True)
+    assert torch.equal(key_cache, want_k) and torch.equal(value_cache, want_v)
+    # Bytes outside the views (the gaps of page-strided caches) stay as they were.
+    in_view_k = torch.zeros_like(_base(key_cache), dtype=torch.bool)
+    _ = in_view_k.as_strided(key_cache.shape, key_cache.stride()).fill_(True)
+    assert torch.equal(_base(key_cache)[~in_view_k], base_k_before[~in_view_k])
+    in_view_v = torch.zeros_like(_base(value_cache), dtype=torch.bool)
+    _ = in_view_v.as_strided(value_cache.shape, value_cache.stride()).fill_(True)
+    assert torch.equal(_base(value_cache)[~in_view_v], base_v_before[~in_view_v])
+
+
+@pytest.mark.parametrize("sample", _SAMPLES, ids=[s.name for s in _SAMPLES])
+def test_triton_kernel_matches_torch_kernel_bitwise(sample):
+    """A copy has no arithmetic: the Triton kernel (interpreter on CPU) must give the same bits."""
+    device = triton_device()
+    key, value, key_cache, value_cache, slots = sample.args
+    want_k, want_v = key_cache.clone(), value_cache.clone()
+    torch.ops.stepops.paged_kv_write(key, value, want_k, want_v, slots)
+    # The caches start random: an unwritten slot keeps its bits, a wrongly written one changes them.
+    got_k, got_v = key_cache.to(device), value_cache.to(device)
+    paged_kv_write_triton(key.to(device), value.to(device), got_k, got_v, slots.to(device))
+    assert torch.equal(got_k.cpu(), want_k) and torch.equal(got_v.cpu(), want_v)
+
+
+def test_padding_only_writes_nothing():
+    key = torch.randn(3, 2, 4, dtype=torch.bfloat16)
+    cache = torch.full((2, 4, 2, 4), float("nan"), dtype=torch.bfloat16)
+    value_cache = cache.clone()
+    paged_kv_write(key, key, cache, value_cache, torch.full((3,), -1, dtype=torch.int32))
+    assert cache.isnan().all() and value_cache.isnan().all()
+
+
+def _args(**over):
+    args = dict(
+        key=torch.zeros(2, 2, 4, dtype=torch.bfloat16),
+        value=torch.zeros(2, 2, 4, dtype=torch.bfloat16),
+        key_cache=torch.zeros(3, 4, 2, 4, dtype=torch.bfloat16),
+        value_cache=torch.zeros(3, 4, 2, 4, dtype=torch.bfloat16),
+        slot_mapping=torch.tensor([0, 5], dtype=torch.int32),
+    )
+    args.update(over)
+    return args
+
+
+@pytest.mark.parametrize(
+    "over, error, text",
+    [
+        (dict(key=torch.zeros(2, 8, dtype=torch.bfloat16)), ValueError, "must be \\[T, H, D\\]"),
+        (dict(key_cache=torch.zeros(3, 4, 8, dtype=torch.bfloat16)), ValueError, "num_blocks, block_size"),
+        (dict(slot_mapping=torch.tensor([0.0, 1.0])), TypeError, "int32 or int64"),
+        (dict(key_cache=torch.zeros(3, 4, 2, 4)), TypeError, "input's dtype"),
+        (dict(slot_mapping=torch.tensor([0, 1, 2], dtype=torch.int32)), RuntimeError, "same token count"),
+        (dict(value=torch.zeros(2, 3, 4, dtype=torch.bfloat16)), ValueError, "head count"),
+        (dict(key_cache=torch.zeros(3, 4, 2, 8, dtype=torch.bfloat16)), ValueError, "head sizes"),
+        (dict(value_cache=torch.zeros(2, 4, 2, 4, dtype=torch.bfloat16)), ValueError, "same \\[num_blocks"),
+    ],
+)
+def test_bad_input_gets_a_clear_error(over, error, text):
+    with pytest.raises(error, match=text):
+        paged_kv_write(**_args(**over))
+
+
+def test_validate_checks_slot_ranges_and_duplicates():
+    with pytest.raises(ValueError, match="slots must be -1 or in \\[0, 12\\)"):
+        paged_kv_write(**_args(slot_mapping=torch.tensor([0, 12], dtype=torch.int32)), validate=True)
+    with pytest.raises(ValueError, match="share a slot"):
+        paged_kv_write(**_args(slot_mapping=torch.tensor([3, 3], dtype=torch.int32)), validate=True)
