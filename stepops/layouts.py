@@ -220,21 +220,6 @@ class BoundCSATailRing:
         return self.rows[start : start + self.capacity]
 
 
-def attention_page_bytes(
-    *, block_size: int, num_kv_heads: int, head_size: int, head_size_v: int, dtype_bytes: int = _BF16_BYTES
-) -> int:
-    """Bytes of one page of a paged attention layer: ``block_size * num_kv_heads * (head_size + head_size_v) * dtype_bytes``.
-
-    ``head_size_v`` is the value head width (0 when the layer keeps one latent per token, MLA-style).
-    """
-    _check_int("block_size", block_size, 1)
-    _check_int("num_kv_heads", num_kv_heads, 1)
-    _check_int("head_size", head_size, 1)
-    _check_int("head_size_v", head_size_v, 0)
-    _check_int("dtype_bytes", dtype_bytes, 1)
-    return block_size * num_kv_heads * (head_size + head_size_v) * dtype_bytes
-
-
 def smallest_block_size(
     *,
     bytes_per_token: int,

@@ -15,7 +15,6 @@ from stepops.layouts import (
     CSATailRingLayout,
     InklingConvStateLayout,
     InklingStream,
-    attention_page_bytes,
     smallest_block_size,
 )
 
@@ -108,15 +107,6 @@ def test_ring_properties_over_random_parameters():
         assert block_size * layout.head_size * 2 == page_bytes
         assert layout.capacity * 1024 == page_bytes
         assert layout.capacity >= 7 + k
-
-
-def test_attention_page_bytes():
-    # 16 tokens x 8 heads x (128 + 128) x 2 B
-    assert attention_page_bytes(block_size=16, num_kv_heads=8, head_size=128, head_size_v=128) == 65536
-    assert attention_page_bytes(block_size=64, num_kv_heads=1, head_size=576, head_size_v=0) == 73728
-    assert attention_page_bytes(block_size=16, num_kv_heads=1, head_size=576, head_size_v=0, dtype_bytes=1) == 9216
-    with pytest.raises(ValueError):
-        attention_page_bytes(block_size=16, num_kv_heads=0, head_size=128, head_size_v=128)
 
 
 def test_smallest_block_size_examples():

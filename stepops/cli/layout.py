@@ -17,9 +17,9 @@ from stepops.layouts import (
     CSATailRingLayout,
     InklingConvStateLayout,
     InklingStream,
-    attention_page_bytes,
     smallest_block_size,
 )
+from stepops.specs import AttentionSpec
 
 _ILLUSTRATIVE = "Defaults are illustrative numbers, not a published model configuration."
 _MAIN_DTYPES = ("bfloat16", "float16", "float8_e4m3fn")
@@ -93,15 +93,17 @@ def _run_step5(args: argparse.Namespace) -> int:
     k = args.num_speculative_tokens
     try:
         if args.page_bytes is None:
-            dtype_bytes = getattr(torch, args.dtype).itemsize
-            per_token = attention_page_bytes(
-                block_size=1,
+            dtype = getattr(torch, args.dtype)
+            spec = AttentionSpec(
+                block_size=args.block_size,
                 num_kv_heads=args.num_kv_heads,
                 head_size=args.head_size,
                 head_size_v=args.head_size_v,
-                dtype_bytes=dtype_bytes,
+                dtype=dtype,
             )
-            page_bytes = args.block_size * per_token
+            page_bytes = spec.page_size_bytes
+            per_token = page_bytes // args.block_size
+            dtype_bytes = dtype.itemsize
             main = (
                 f"{args.num_kv_heads} KV head(s) x ({args.head_size} + {args.head_size_v}) x {dtype_bytes} B"
                 f" = {per_token} B per token"
