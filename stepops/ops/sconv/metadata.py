@@ -1,0 +1,61 @@
+"""Per-token metadata of ``stepops::sconv``, built on the device with no host sync."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from stepops.ops.step_metadata import build_token_metadata
+
+
+class SconvMetadata(NamedTuple):
+    """int32 ``[T]`` tensors, in the op's argument order; ``-1`` marks a padding token everywhere."""
+
+    token_request: torch.Tensor  # index of the token's request (row of block_table)
+    token_chunk_start: torch.Tensor  # flat index of the request's first token in this step
+    slot_mapping: torch.Tensor  # block * N + offset of the token's own position
+    token_position: torch.Tensor  # absolute position of the token in its sequence
+
+
+def build_sconv_metadata(
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    block_size: int,
+    num_tokens: int,
+) -> SconvMetadata:
+    """Metadata of a ragged step of ``num_tokens`` flat token slots (the CUDA-graph capture size).
+
+    ``query_start_loc`` ``[R + 1]`` int (request ``r`` owns tokens ``query_start_loc[r] :
+    query_start_loc[r + 1]``), ``seq_lens`` ``[R]`` int (tokens of request ``r`` after this step),
+    ``block_table`` ``[R, max_blocks]`` int32, ``block_size`` = ``N`` of the cache. Token ``t`` at position
+    ``p`` of request ``r`` gets ``slot_mapping[t] = block_table[r, p // N] * N + p % N``; tokens past
+    ``query_start_loc[-1]`` are padding (``-1``). Everything stays on ``block_table.device`` and shapes
+    depend only on ``num_tokens``. A position past the block table is not detected here (that would need
+    a host sync): ``sconv(..., validate=True)`` reports it.
+    """
+    if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
+        raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
+    if block_table.dtype != torch.int32 or block_table.dim() != 2 or block_table.shape[1] < 1:
+        raise ValueError(
+            f"block_table must be [R, max_blocks] int32 with max_blocks >= 1, got {block_table.dtype} "
+            f"{tuple(block_table.shape)}"
+        )
+    if block_table.shape[0] != seq_lens.numel():
+        raise ValueError(f"block_table has {block_table.shape[0]} rows for {seq_lens.numel()} requests")
+    token = build_token_metadata(query_start_loc, seq_lens, num_tokens)
+    is_real = token.request >= 0
+    request = token.request.clamp(min=0).to(torch.int64)
+    position = token.position.clamp(min=0).to(torch.int64)
+    # The clamp keeps the gather in bounds for padding tokens (and for an out-of-table position, which
+    # validate=True reports); no branch on the data.
+    block_index = (position // block_size).clamp(max=block_table.shape[1] - 1)
+    block = block_table[request, block_index].to(torch.int64)
+    slot = torch.where(is_real, block * block_size + position % block_size, -1)
+    return SconvMetadata(
+        token_request=token.request,
+        token_chunk_start=token.chunk_start,
+        slot_mapping=slot.to(torch.int32),
+        token_position=token.position,
+    )

@@ -1,0 +1,151 @@
+"""Sample inputs of ``stepops::sconv`` for opcheck, the tests and the benchmarks.
+
+All samples use one small Inkling layout (2 KV heads, head_dim 8, hidden 32, W = 4, so D = 64 with the
+streams K [0, 8), V [8, 16), attention output [16, 32), MLP output [32, 48)) and cover: T = 1, ragged
+steps mixing prefill, decode and verify tokens, padding, block-boundary crossings, random block tables,
+an enlarged block size (N = 8W), all four streams, residual on/off, SiLU, fp32 weights and a
+page-strided cache.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from itertools import accumulate
+
+import torch
+
+from stepops._library import SampleInput
+from stepops.layouts import InklingConvStateLayout, InklingStream
+from stepops.ops.sconv.metadata import SconvMetadata, build_sconv_metadata
+
+SAMPLE_LAYOUT = InklingConvStateLayout(num_kv_heads=2, head_dim=8, hidden_size=32, kernel_size=4)
+
+
+def random_block_table(
+    num_requests: int, max_blocks: int, num_blocks: int, *, generator: torch.Generator, device: torch.device
+) -> torch.Tensor:
+    """``[num_requests, max_blocks]`` int32 of distinct random blocks in ``[0, num_blocks)``."""
+    if num_requests * max_blocks > num_blocks:
+        raise ValueError(f"{num_requests} x {max_blocks} distinct blocks do not fit in {num_blocks}")
+    blocks = torch.randperm(num_blocks, generator=generator)[: num_requests * max_blocks]
+    return blocks.view(num_requests, max_blocks).to(device=device, dtype=torch.int32)
+
+
+def sample_cache(
+    shape: Sequence[int], *, block_gap: int = 0, generator: torch.Generator, device: torch.device
+) -> torch.Tensor:
+    """Random bf16 cache ``[num_blocks, H, N, D]``; ``block_gap > 0`` makes it a page-strided view.
+
+    With a gap, block ``b`` starts ``b * (H * N * D + block_gap)`` elements into a larger buffer, as when
+    the engine hands over a view of a page that is larger than this layer's block.
+    """
+    num_blocks, heads, block_size, head_size = shape
+    block = heads * block_size * head_size
+    buffer = torch.randn(num_blocks, block + block_gap, generator=generator).to(device=device, dtype=torch.bfloat16)
+    return buffer[:, :block].view(num_blocks, heads, block_size, head_size)
+
+
+def step_metadata(
+    prior_lens: Sequence[int],
+    new_lens: Sequence[int],
+    block_table: torch.Tensor,
+    block_size: int,
+    num_tokens: int,
+) -> SconvMetadata:
+    """Metadata of a step in which request ``r`` had ``prior_lens[r]`` tokens and adds ``new_lens[r]``."""
+    device = block_table.device
+    query_start_loc = torch.tensor([0, *accumulate(new_lens)], dtype=torch.int32)
+    seq_lens = torch.tensor([p + n for p, n in zip(prior_lens, new_lens)], dtype=torch.int32)
+    return build_sconv_metadata(query_start_loc.to(device), seq_lens.to(device), block_table, block_size, num_tokens)
+
+
+def _sample(
+    name: str,
+    device: torch.device,
+    *,
+    seed: int,
+    prior_lens: Sequence[int],
+    new_lens: Sequence[int],
+    num_tokens: int,
+    stream: InklingStream,
+    block_size: int | None = None,
+    block_gap: int = 0,
+    weight_dtype: torch.dtype = torch.bfloat16,
+    residual: bool = True,
+    silu: bool = False,
+) -> SampleInput:
+    generator = torch.Generator().manual_seed(seed)
+    layout = SAMPLE_LAYOUT
+    offset, width = layout.stream_range(stream)
+    shape = layout.cache_shape(num_blocks=64, block_size=block_size)
+    n = shape[2]
+    max_blocks = max(-(-(p + k) // n) for p, k in zip(prior_lens, new_lens))
+    block_table = random_block_table(len(new_lens), max_blocks, shape[0], generator=generator, device=device)
+    metadata = step_metadata(prior_lens, new_lens, block_table, n, num_tokens)
+    channels = layout.local_num_kv_heads * width
+    x = torch.randn(num_tokens, channels, generator=generator).to(device=device, dtype=torch.bfloat16)
+    weight = torch.randn(channels, layout.kernel_size, generator=generator).to(device=device, dtype=weight_dtype)
+    cache = sample_cache(shape, block_gap=block_gap, generator=generator, device=device)
+    return SampleInput(
+        name,
+        (x, weight, cache, block_table, *metadata, offset),
+        {"residual": residual, "silu": silu},
+    )
+
+
+def samples(device: torch.device) -> Iterator[SampleInput]:
+    """The sconv sample registry (fresh tensors on every call)."""
+    yield _sample("decode_t1", device, seed=0, prior_lens=[5], new_lens=[1], num_tokens=1, stream=InklingStream.K)
+    yield _sample(
+        "ragged_prefill_decode_verify_padded",
+        device,
+        seed=1,
+        prior_lens=[0, 9, 6],
+        new_lens=[7, 1, 4],
+        num_tokens=16,
+        stream=InklingStream.V,
+    )
+    yield _sample(
+        "enlarged_block_8w",
+        device,
+        seed=2,
+        prior_lens=[30, 0],
+        new_lens=[5, 3],
+        num_tokens=8,
+        stream=InklingStream.ATTN_OUT,
+        block_size=8 * SAMPLE_LAYOUT.kernel_size,
+    )
+    yield _sample(
+        "mlp_out_no_residual",
+        device,
+        seed=3,
+        prior_lens=[2, 11],
+        new_lens=[3, 1],
+        num_tokens=5,
+        stream=InklingStream.MLP_OUT,
+        residual=False,
+    )
+    yield _sample(
+        "silu_fp32_weight",
+        device,
+        seed=4,
+        prior_lens=[3, 0],
+        new_lens=[2, 6],
+        num_tokens=9,
+        stream=InklingStream.K,
+        weight_dtype=torch.float32,
+        silu=True,
+    )
+    yield _sample(
+        "page_strided_cache",
+        device,
+        seed=5,
+        prior_lens=[7, 1],
+        new_lens=[4, 2],
+        num_tokens=6,
+        stream=InklingStream.V,
+        block_gap=96,
+    )
+    yield _sample(
+        "padding_only", device, seed=6, prior_lens=[4], new_lens=[0], num_tokens=3, stream=InklingStream.ATTN_OUT
+    )

@@ -1,0 +1,98 @@
+"""The PyTorch kernel of ``stepops::sconv``: the readable specification the Triton kernel must match.
+
+Arithmetic order (the Triton kernel repeats it step for step, so the two agree bit for bit wherever the
+hardware does not contract a multiply and an add into an FMA):
+
+    acc = 0.0                                     # fp32
+    for j in 0 .. W-1:  acc = acc + w[c, j] * tap_j   # one rounded multiply, then one rounded add
+    if silu:            acc = acc / (1.0 + exp(-acc))
+    if residual:        acc = acc + x_t[c]
+    y[t, c] = bf16(acc)                           # round to nearest even, once
+"""
+
+from __future__ import annotations
+
+import torch
+
+from stepops._meta.sconv import check_sconv_args
+
+
+def sconv_torch(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    cache: torch.Tensor,
+    block_table: torch.Tensor,
+    token_request: torch.Tensor,
+    token_chunk_start: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    token_position: torch.Tensor,
+    stream_offset: int,
+    residual: bool = True,
+    silu: bool = False,
+) -> torch.Tensor:
+    """Inkling short conv of one stream over a ragged step: store each token's input, convolve W taps.
+
+    Shapes: ``x`` ``[T, H * width]`` bf16, head-major (head ``h`` owns columns ``[h*width, (h+1)*width)``);
+    ``weight`` ``[H * width, W]`` bf16 or fp32; ``cache`` ``[num_blocks, H, N, D]`` bf16 (may be a
+    page-strided view), written in place; ``block_table`` ``[R, max_blocks]`` int32; ``token_request``,
+    ``token_chunk_start``, ``slot_mapping``, ``token_position`` ``[T]`` int32 (``-1`` for padding);
+    ``stream_offset`` int. Returns ``y`` ``[T, H * width]`` bf16 (a new tensor).
+
+    The stream occupies D-range ``[stream_offset, stream_offset + width)`` of every head. Token ``t``
+    (request ``r``, position ``p``, first row of its request in this step ``s``, first position
+    ``p0 = p - (t - s)``):
+
+    - store: ``cache[slot // N, h, slot % N, stream_offset + i] = x[t, h * width + i]`` for every head,
+      with ``slot = slot_mapping[t]``; nothing else of the cache is written.
+    - output: ``y[t, c] = bf16(x[t, c] + sum_{j<W} w[c, j] * tap_j[c])`` in fp32, summed in order
+      ``j = 0 .. W-1``, where ``tap_j`` is the input at position ``q = p - (W-1) + j``: row ``t - (p - q)``
+      of ``x`` when ``q >= p0`` (this step), the cache slot ``block_table[r, q // N] * N + q % N`` when
+      ``0 <= q < p0`` (earlier steps), zero when ``q < 0``. ``silu=True`` applies
+      ``a / (1 + exp(-a))`` to the conv sum before the residual; ``residual=False`` drops ``x[t, c]``.
+
+    Padding tokens (``token_request[t] < 0``) write nothing and get a zero row of ``y``; a real token
+    with ``slot_mapping[t] < 0`` gets its output but is not stored. Reads see the cache as it was before
+    the step (a valid step never reads a slot it stores, see ``docs/ops.md``).
+
+    Caller invariants (checked on the host by ``validate=True`` of the wrapper): the rows of a request
+    are contiguous, in position order, starting at ``token_chunk_start``; ``slot_mapping[t]`` is the slot
+    of ``p``; every block read or written lies in ``[0, num_blocks)``; stored slots are distinct and never
+    among the slots the step reads.
+    """
+    sizes = check_sconv_args(
+        x, weight, cache, block_table, token_request, token_chunk_start, slot_mapping, token_position, stream_offset
+    )
+    num_tokens, num_heads, width, kernel_size, block_size = sizes
+    stream = cache[..., stream_offset : stream_offset + width]  # [num_blocks, H, N, width] view
+    row = torch.arange(num_tokens, device=x.device, dtype=torch.int64)
+    request = token_request.to(torch.int64)
+    position = token_position.to(torch.int64)
+    is_real = request >= 0
+    first_position = position - (row - token_chunk_start.to(torch.int64))
+    safe_request = torch.where(is_real, request, 0)
+
+    x_f32 = x.float()
+    weight_f32 = weight.float()
+    acc = torch.zeros(num_tokens, num_heads * width, dtype=torch.float32, device=x.device)
+    for j in range(kernel_size):
+        q = position - (kernel_size - 1) + j
+        in_step = is_real & (q >= first_position)
+        in_cache = is_real & (q >= 0) & ~in_step
+        from_x = x_f32[torch.where(in_step, row - (kernel_size - 1 - j), 0)]
+        q_safe = torch.where(in_cache, q, 0)
+        block = torch.where(in_cache, block_table[safe_request, q_safe // block_size].to(torch.int64), 0)
+        from_cache = stream[block, :, q_safe % block_size].reshape(num_tokens, -1).float()
+        tap = torch.where(in_step[:, None], from_x, torch.where(in_cache[:, None], from_cache, 0.0))
+        acc = acc + weight_f32[:, j] * tap
+    if silu:
+        acc = acc / (1.0 + torch.exp(-acc))
+    if residual:
+        acc = acc + x_f32
+    y = torch.where(is_real[:, None], acc, 0.0).to(x.dtype)
+
+    # Stores after all reads: the reads see the cache as it was before the step.
+    slot = slot_mapping.to(torch.int64)
+    stores = is_real & (slot >= 0)
+    slot = slot[stores]
+    stream[slot // block_size, :, slot % block_size] = x[stores].view(-1, num_heads, width)
+    return y
