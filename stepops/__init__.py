@@ -5,6 +5,7 @@ Importing the package declares every ``torch.ops.stepops`` op.
 
 from stepops import ops  # noqa: F401  (declares the ops)
 from stepops.ops.sconv import SconvMetadata, build_sconv_metadata, sconv  # noqa: F401
+from stepops.ops.csa_ring_update import CSARingMetadata, build_csa_ring_metadata, csa_ring_update  # noqa: F401
 from stepops.layouts import (  # noqa: F401  (public API)
     ROW_BYTES,
     BoundCSATailRing,

@@ -31,4 +31,7 @@ def test_every_op_has_fake_kernels_and_samples():
 class TestSchemas(TestCase):
     def test_schema_snapshot(self):
         schemas = "\n".join(str(e.overload._schema) for e in registered_ops())
-        self.assertExpectedInline(schemas, """""")
+        self.assertExpectedInline(schemas, """\
+stepops::csa_ring_update(Tensor index_k, Tensor index_z, Tensor(a2!) ring, Tensor(a3!) summary_cache, Tensor token_position, Tensor token_chunk_start, Tensor token_chunk_len, Tensor token_ring_base, Tensor token_summary_slot, SymInt capacity) -> ()
+stepops::paged_kv_write(Tensor key, Tensor value, Tensor(a2!) key_cache, Tensor(a3!) value_cache, Tensor slot_mapping) -> ()
+stepops::sconv(Tensor x, Tensor weight, Tensor(a2!) cache, Tensor block_table, Tensor token_request, Tensor token_chunk_start, Tensor slot_mapping, Tensor token_position, SymInt stream_offset, bool residual=True, bool silu=False) -> Tensor""")

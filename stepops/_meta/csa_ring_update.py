@@ -1,0 +1,113 @@
+"""Argument checks and fake for ``stepops::csa_ring_update``.
+
+The checks look at dtypes, shapes and devices only (never at data), so the fake, the PyTorch kernel and
+the Triton launcher all call the same :func:`check_csa_ring_update_args` and raise the same errors at
+trace time and at call time.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# A region is 8 consecutive positions; the token that closes it replays the 7 before it.
+REGION_SIZE = 8
+# The op reads up to REGION_SIZE - 1 rows from before the step, so a ring must hold at least that many.
+# (The layout's stricter rule, capacity >= 7 + k, also keeps those rows safe from the previous verify
+# step's rejected drafts; the op cannot know k.)
+MIN_CAPACITY = REGION_SIZE - 1
+
+# uint8 means float8_e4m3fn codes: the wrapper passes fp8 caches as uint8 views because torch cannot
+# compare float8 tensors on CPU (allclose/equal are not implemented), which opcheck's test_schema needs.
+FP8_SUMMARY_DTYPES = (torch.float8_e4m3fn, torch.uint8)
+SUMMARY_DTYPES = (torch.bfloat16, *FP8_SUMMARY_DTYPES)
+METADATA_NAMES = (
+    "token_position",
+    "token_chunk_start",
+    "token_chunk_len",
+    "token_ring_base",
+    "token_summary_slot",
+)
+
+
+def check_csa_ring_update_args(
+    index_k: torch.Tensor,
+    index_z: torch.Tensor,
+    ring: torch.Tensor,
+    summary_cache: torch.Tensor,
+    token_position: torch.Tensor,
+    token_chunk_start: torch.Tensor,
+    token_chunk_len: torch.Tensor,
+    token_ring_base: torch.Tensor,
+    token_summary_slot: torch.Tensor,
+    capacity: int,
+) -> None:
+    """Raise ``TypeError``/``ValueError`` unless the arguments describe a well-formed step."""
+    for name, t in (("index_k", index_k), ("index_z", index_z), ("ring", ring)):
+        if t.dtype != torch.bfloat16:
+            raise TypeError(f"csa_ring_update: {name} must be bfloat16, got {t.dtype}")
+        if t.dim() != 2:
+            raise ValueError(f"csa_ring_update: {name} must be 2-D, got shape {tuple(t.shape)}")
+    if index_k.shape != index_z.shape:
+        raise ValueError(
+            f"csa_ring_update: index_k {tuple(index_k.shape)} and index_z {tuple(index_z.shape)} must both be [T, P]"
+        )
+    num_tokens, proxy_dim = index_k.shape
+    if ring.shape[1] != 2 * proxy_dim:
+        raise ValueError(
+            f"csa_ring_update: a ring row is [index_k | index_z] = {2 * proxy_dim} bf16 values "
+            f"({4 * proxy_dim} bytes) for P = {proxy_dim}, but ring rows have {ring.shape[1]} values"
+        )
+    if summary_cache.dtype not in SUMMARY_DTYPES:
+        raise TypeError(
+            "csa_ring_update: summary_cache must be bfloat16, float8_e4m3fn, or uint8 holding float8_e4m3fn "
+            f"codes; got {summary_cache.dtype}"
+        )
+    if summary_cache.dim() != 2 or summary_cache.shape[1] != proxy_dim:
+        raise ValueError(
+            f"csa_ring_update: summary_cache must be [num_slots, {proxy_dim}], got {tuple(summary_cache.shape)}"
+        )
+    if isinstance(capacity, bool) or not isinstance(capacity, (int, torch.SymInt)):
+        raise TypeError(f"csa_ring_update: capacity must be an int, got {type(capacity).__name__}")
+    if capacity < MIN_CAPACITY:
+        raise ValueError(
+            f"csa_ring_update: capacity {capacity} < {MIN_CAPACITY}: a ring must hold the {MIN_CAPACITY} rows "
+            "before a step that a closing token replays (the layout needs 7 + k)"
+        )
+    if ring.shape[0] < capacity:
+        raise ValueError(f"csa_ring_update: ring has {ring.shape[0]} rows, fewer than capacity {capacity}")
+    metadata = (token_position, token_chunk_start, token_chunk_len, token_ring_base, token_summary_slot)
+    for name, t in zip(METADATA_NAMES, metadata):
+        if t.dtype != torch.int32:
+            raise TypeError(f"csa_ring_update: {name} must be int32, got {t.dtype}")
+        if t.dim() != 1 or t.shape[0] != num_tokens:
+            raise ValueError(f"csa_ring_update: {name} must be [T] = [{num_tokens}], got {tuple(t.shape)}")
+    device = index_k.device
+    for name, t in zip(("index_z", "ring", "summary_cache", *METADATA_NAMES), (index_z, ring, summary_cache, *metadata)):
+        if t.device != device:
+            raise ValueError(f"csa_ring_update: {name} is on {t.device}, index_k on {device}")
+
+
+def csa_ring_update_fake(
+    index_k: torch.Tensor,
+    index_z: torch.Tensor,
+    ring: torch.Tensor,
+    summary_cache: torch.Tensor,
+    token_position: torch.Tensor,
+    token_chunk_start: torch.Tensor,
+    token_chunk_len: torch.Tensor,
+    token_ring_base: torch.Tensor,
+    token_summary_slot: torch.Tensor,
+    capacity: int,
+) -> None:
+    check_csa_ring_update_args(
+        index_k,
+        index_z,
+        ring,
+        summary_cache,
+        token_position,
+        token_chunk_start,
+        token_chunk_len,
+        token_ring_base,
+        token_summary_slot,
+        capacity,
+    )

@@ -1,0 +1,95 @@
+"""``stepops::csa_ring_update``: the Step5 CSA tail ring's per-step update (ring rows and region summaries)."""
+
+from __future__ import annotations
+
+import torch
+
+from stepops._library import declare_op
+from stepops._meta.csa_ring_update import csa_ring_update_fake
+from stepops.ops.csa_ring_update.metadata import CSARingMetadata, build_csa_ring_metadata
+from stepops.ops.csa_ring_update.samples import samples as csa_ring_update_samples
+from stepops.ops.csa_ring_update.torch_kernel import csa_ring_update as csa_ring_update_torch
+from stepops.ops.csa_ring_update.triton_kernel import csa_ring_update_triton
+
+__all__ = ["CSARingMetadata", "build_csa_ring_metadata", "csa_ring_update"]
+
+csa_ring_update_op = declare_op(
+    "csa_ring_update",
+    mutates_args=("ring", "summary_cache"),
+    torch_kernel=csa_ring_update_torch,
+    triton_kernel=csa_ring_update_triton,
+    fake=csa_ring_update_fake,
+    samples=csa_ring_update_samples,
+)
+
+
+def _validate(ring: torch.Tensor, summary_cache: torch.Tensor, metadata: CSARingMetadata, capacity: int) -> None:
+    """Host-side range checks of the metadata (reads it back: a sync, so keep it off the hot path)."""
+    num_tokens = metadata.position.shape[0]
+    real = metadata.position >= 0
+    if bool((metadata.chunk_start[real] < 0).any()) or bool((metadata.chunk_len[real] < 1).any()):
+        raise ValueError("csa_ring_update: a real token has a negative chunk_start or a chunk_len < 1")
+    if bool((metadata.chunk_start[real] + metadata.chunk_len[real] > num_tokens).any()):
+        raise ValueError(f"csa_ring_update: a request's tokens run past T = {num_tokens}")
+    base = metadata.ring_base[real]
+    if bool((base < 0).any()) or bool((base + capacity > ring.shape[0]).any()):
+        raise ValueError(
+            f"csa_ring_update: a ring_base is outside [0, {ring.shape[0] - capacity}] "
+            f"(ring rows {ring.shape[0]}, capacity {capacity})"
+        )
+    slot = metadata.summary_slot[metadata.summary_slot >= 0]
+    if bool((slot >= summary_cache.shape[0]).any()):
+        raise ValueError(f"csa_ring_update: a summary_slot is >= num_slots = {summary_cache.shape[0]}")
+    if slot.unique().numel() != slot.numel():
+        raise ValueError("csa_ring_update: two tokens write the same summary_slot")
+
+
+def csa_ring_update(
+    index_k: torch.Tensor,
+    index_z: torch.Tensor,
+    ring: torch.Tensor,
+    summary_cache: torch.Tensor,
+    metadata: CSARingMetadata,
+    capacity: int,
+    *,
+    validate: bool = False,
+) -> None:
+    """Store a step's ``[index_k | index_z]`` rows in the requests' rings and write closed regions' summaries.
+
+    Args:
+        index_k, index_z: ``[T, P]`` bf16, the step's flattened tokens (requests contiguous, padding last).
+        ring: ``[num_rows, 2P]`` bf16, written in place: the rows view of the ring cache (request ``r``'s
+            ring is rows ``[ring_base, ring_base + capacity)``; e.g. ``BoundCSATailRing.rows``).
+        summary_cache: ``[num_slots, P]`` bf16 or float8_e4m3fn (uint8 holding e4m3fn codes is accepted
+            too; fp8 caches reach the op as such a uint8 view), written in place at the closing tokens'
+            slots. fp8 summaries are the bf16 summary clamped to ``[-448, 448]`` then cast (round to
+            nearest even): a summary beyond the e4m3fn range saturates instead of becoming NaN.
+        metadata: from :func:`build_csa_ring_metadata`; fixed-size ``[T]`` int32, ``-1`` for padding.
+        capacity: rows per request ring, ``>= 7`` (the layout guarantees ``>= 7 + k``).
+        validate: check ranges (rows, slots, chunks) on the host first. Syncs; for debugging only.
+
+    Position ``p`` of a request lives at ring row ``ring_base + p % capacity``; only the last ``capacity``
+    tokens of a request in a step are stored. A token with ``p % 8 == 7`` and a slot writes the summary of
+    positions ``p-7..p``: per dimension ``sum_t softmax(z)_t k_t``, folded in that fixed order in fp32
+    (see ``stepops.ops.csa_ring_update.torch_kernel.fold_region``), so the bits do not depend on how the
+    sequence was split into steps. All replays read the ring before the step's stores land. One launch;
+    CUDA-graph safe when ``validate`` is off.
+    """
+    if validate:
+        _validate(ring, summary_cache, metadata, capacity)
+    if summary_cache.dtype == torch.float8_e4m3fn:
+        # The op takes fp8 caches as their bytes: torch cannot compare float8 tensors on CPU, and opcheck's
+        # schema check compares every argument before and after.
+        summary_cache = summary_cache.view(torch.uint8)
+    torch.ops.stepops.csa_ring_update(
+        index_k,
+        index_z,
+        ring,
+        summary_cache,
+        metadata.position,
+        metadata.chunk_start,
+        metadata.chunk_len,
+        metadata.ring_base,
+        metadata.summary_slot,
+        capacity,
+    )

@@ -1,0 +1,78 @@
+"""Per-token metadata of ``stepops::csa_ring_update``, built on the device with no host sync."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from stepops._meta.csa_ring_update import REGION_SIZE
+from stepops.ops.step_metadata import build_token_metadata
+
+
+class CSARingMetadata(NamedTuple):
+    """int32 tensors of shape ``[num_tokens]``; ``-1`` everywhere for a padding token."""
+
+    position: torch.Tensor  # absolute position of the token in its sequence
+    chunk_start: torch.Tensor  # flat index of the request's first token in this step
+    chunk_len: torch.Tensor  # number of the request's tokens in this step
+    ring_base: torch.Tensor  # first ring row of the request: ring_block * rows_per_block
+    summary_slot: torch.Tensor  # summary_cache row of the region this token closes; -1 if none
+
+
+def build_csa_ring_metadata(
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    ring_blocks: torch.Tensor,
+    rows_per_block: int,
+    summary_block_table: torch.Tensor,
+    summary_block_size: int,
+    num_tokens: int,
+) -> CSARingMetadata:
+    """Build the metadata of one step for :func:`stepops.csa_ring_update`.
+
+    ``query_start_loc`` ``[R + 1]`` and ``seq_lens`` ``[R]`` as for
+    :func:`stepops.ops.step_metadata.build_token_metadata` (``seq_lens`` counts the step's tokens).
+    ``ring_blocks`` ``[R]`` int: the block of each request's ring; its rows start at
+    ``ring_blocks[r] * rows_per_block``. ``summary_block_table`` ``[R, max_summary_blocks]`` int: the region
+    ``g = position // 8`` of request ``r`` has its summary at slot
+    ``summary_block_table[r, g // summary_block_size] * summary_block_size + g % summary_block_size``.
+    A closing token gets slot ``-1`` (no summary is written) when that block-table entry is negative or its
+    column is past the table's width. Every output is on ``query_start_loc.device`` and has length
+    ``num_tokens``; nothing is read back to the host, so the builder can run inside a CUDA graph.
+    """
+    if ring_blocks.dim() != 1 or ring_blocks.shape[0] != seq_lens.shape[0]:
+        raise ValueError(f"ring_blocks must be [R] = [{seq_lens.shape[0]}], got {tuple(ring_blocks.shape)}")
+    if (
+        summary_block_table.dim() != 2
+        or summary_block_table.shape[0] != seq_lens.shape[0]
+        or summary_block_table.shape[1] < 1
+    ):
+        raise ValueError(
+            f"summary_block_table must be [R = {seq_lens.shape[0]}, max_blocks], got {tuple(summary_block_table.shape)}"
+        )
+    if rows_per_block < 1 or summary_block_size < 1:
+        raise ValueError(f"rows_per_block ({rows_per_block}) and summary_block_size ({summary_block_size}) must be >= 1")
+    token = build_token_metadata(query_start_loc, seq_lens, num_tokens)
+    real = token.position >= 0
+    request = token.request.long().clamp(min=0)  # padding reads request 0 and is masked below
+    position = token.position.long()
+    qsl = query_start_loc.long()
+    chunk_len = qsl[request + 1] - qsl[request]
+    ring_base = ring_blocks.long()[request] * rows_per_block
+
+    region = position.clamp(min=0) // REGION_SIZE
+    column = region // summary_block_size
+    in_table = column < summary_block_table.shape[1]
+    block = summary_block_table.long()[request, column.clamp(max=summary_block_table.shape[1] - 1)]
+    slot = block * summary_block_size + region % summary_block_size
+    closes = real & (position % REGION_SIZE == REGION_SIZE - 1) & in_table & (block >= 0)
+
+    pad = torch.full_like(position, -1)
+    return CSARingMetadata(
+        position=token.position,
+        chunk_start=token.chunk_start,
+        chunk_len=torch.where(real, chunk_len, pad).to(torch.int32),
+        ring_base=torch.where(real, ring_base, pad).to(torch.int32),
+        summary_slot=torch.where(closes, slot, pad).to(torch.int32),
+    )

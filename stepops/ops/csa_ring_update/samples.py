@@ -1,0 +1,140 @@
+"""Sample steps for ``stepops::csa_ring_update``, shared by opcheck, the tests and benchmarks.
+
+Rings are bound through ``stepops.layouts.CSATailRingLayout`` as the Step5 layer binds them: a cache of
+``num_blocks`` blocks, each strided ``rows_per_block`` rows apart but holding ``capacity`` rows, viewed as
+one 2-D ``as_strided`` rows tensor.
+Small proxy dims (16) keep opcheck fast; one sample uses Step5's P = 256.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from stepops._library import SampleInput
+from stepops.layouts import BoundCSATailRing, CSATailRingLayout
+from stepops.ops.csa_ring_update.metadata import CSARingMetadata, build_csa_ring_metadata
+
+SUMMARY_BLOCK_SIZE = 4
+
+
+def bind_ring(cache: torch.Tensor, capacity: int, row_elements: int) -> BoundCSATailRing:
+    """Bind a ring of ``capacity`` rows of ``row_elements`` bf16 per block of ``cache``
+    ``[num_blocks, rows_per_block * row_elements]`` (blocks strided ``rows_per_block >= capacity`` rows apart;
+    the rows past ``capacity`` stand for another cache's bytes)."""
+    row_bytes = row_elements * torch.bfloat16.itemsize
+    layout = CSATailRingLayout(
+        page_bytes=capacity * row_bytes, block_size=1, num_speculative_tokens=capacity - 7, row_bytes=row_bytes
+    )
+    return layout.bind(cache[:, : capacity * row_elements])
+
+
+@dataclass
+class CSARingStep:
+    """One step of a ragged batch: inputs, caches (whole storage and views) and metadata."""
+
+    index_k: torch.Tensor  # [T, P] bf16
+    index_z: torch.Tensor  # [T, P] bf16
+    cache: torch.Tensor  # [num_blocks, rows_per_block * 2P] bf16: every byte the ring view may reach
+    ring: torch.Tensor  # rows view of cache
+    summary_cache: torch.Tensor  # [num_slots, P]
+    metadata: CSARingMetadata
+    capacity: int
+    rows_per_block: int
+    ring_blocks: torch.Tensor  # [R]
+    summary_block_table: torch.Tensor  # [R, max_blocks]
+
+    def op_args(self) -> tuple:
+        """Arguments of ``torch.ops.stepops.csa_ring_update``, as the wrapper passes them (fp8 as bytes)."""
+        summary_cache = self.summary_cache
+        if summary_cache.dtype == torch.float8_e4m3fn:
+            summary_cache = summary_cache.view(torch.uint8)
+        return (self.index_k, self.index_z, self.ring, summary_cache, *self.metadata, self.capacity)
+
+
+def make_step(
+    query_lens: Sequence[int],
+    seq_lens: Sequence[int],
+    *,
+    proxy_dim: int,
+    capacity: int,
+    rows_per_block: int | None = None,
+    num_padding: int = 0,
+    summary_dtype: torch.dtype = torch.bfloat16,
+    device: torch.device | str = "cpu",
+    generator: torch.Generator | None = None,
+) -> CSARingStep:
+    """A random step: request ``r`` brings ``query_lens[r]`` tokens and then holds ``seq_lens[r]``.
+
+    Rings and summary slots hold random data (a request's earlier rows), requests get distinct, shuffled
+    ring blocks and summary blocks, and the batch ends with ``num_padding`` padding tokens.
+    """
+    rows_per_block = capacity if rows_per_block is None else rows_per_block
+    num_requests = len(query_lens)
+    width = 2 * proxy_dim
+    num_tokens = sum(query_lens) + num_padding
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=generator).to(torch.bfloat16).to(device)
+
+    num_blocks = num_requests + 2
+    cache = randn(num_blocks, rows_per_block * width)
+    ring = bind_ring(cache, capacity, width).rows
+    ring_blocks = torch.randperm(num_blocks, generator=generator)[:num_requests]
+
+    blocks_per_request = max(seq_lens) // 8 // SUMMARY_BLOCK_SIZE + 1
+    num_slots = num_requests * blocks_per_request * SUMMARY_BLOCK_SIZE
+    summary_block_table = torch.randperm(num_requests * blocks_per_request, generator=generator)
+    summary_block_table = summary_block_table.view(num_requests, blocks_per_request)
+    summary_cache = randn(num_slots, proxy_dim).to(summary_dtype)
+
+    query_start_loc = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
+    metadata = build_csa_ring_metadata(
+        query_start_loc.to(device),
+        torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        ring_blocks.to(device),
+        rows_per_block,
+        summary_block_table.to(device),
+        SUMMARY_BLOCK_SIZE,
+        num_tokens,
+    )
+    return CSARingStep(
+        index_k=randn(num_tokens, proxy_dim),
+        index_z=randn(num_tokens, proxy_dim),
+        cache=cache,
+        ring=ring,
+        summary_cache=summary_cache,
+        metadata=metadata,
+        capacity=capacity,
+        rows_per_block=rows_per_block,
+        ring_blocks=ring_blocks.to(device),
+        summary_block_table=summary_block_table.to(device),
+    )
+
+
+def samples(device: torch.device) -> Iterator[SampleInput]:
+    generator = torch.Generator().manual_seed(0)
+    cases = {
+        # One decode token closing region 1 (positions 8..15): 7 rows from the ring.
+        "t1_decode_closes": dict(query_lens=[1], seq_lens=[16], proxy_dim=16, capacity=8),
+        # Prefill chunk longer than capacity, a decode, a verify step (k = 3), then padding; strided blocks.
+        "ragged_padding_strided": dict(
+            query_lens=[21, 1, 4], seq_lens=[21, 40, 27], proxy_dim=16, capacity=10, rows_per_block=13,
+            num_padding=3,
+        ),
+        # The trap: capacity exactly 7 + k (k = 3), a verify step whose first token (position 23) closes a
+        # region, so its last token's row lands on the slot of position 16, which the replay reads.
+        "trap_verify_first_token_closes_fp8": dict(
+            query_lens=[4, 4], seq_lens=[27, 12], proxy_dim=16, capacity=10, summary_dtype=torch.float8_e4m3fn,
+        ),
+        "ragged_fp8_strided": dict(
+            query_lens=[9, 2, 16], seq_lens=[17, 34, 16], proxy_dim=16, capacity=9, rows_per_block=12,
+            num_padding=1, summary_dtype=torch.float8_e4m3fn,
+        ),
+        "step5_proxy_dim_256": dict(query_lens=[3, 8], seq_lens=[8, 24], proxy_dim=256, capacity=16),
+    }  # fmt: skip
+    for name, kwargs in cases.items():
+        step = make_step(**kwargs, device=device, generator=generator)
+        yield SampleInput(name, step.op_args())
