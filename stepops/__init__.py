@@ -15,3 +15,15 @@ from stepops.layouts import (  # noqa: F401  (public API)
     InklingStream,
     smallest_block_size,
 )
+from stepops.specs import AttentionSpec, CircularBufferSpec, FullAttentionSpec, SlidingWindowSpec  # noqa: F401
+from stepops.owners import (  # noqa: F401  (the seeds' cache owners, engine-neutral)
+    InklingConvState,
+    InklingSconvBackend,
+    InklingSconvMetadataBuilder,
+    PagedAttentionBackend,
+    PagedAttentionLayer,
+    Step5CSATailRing,
+    Step5CSATailRingBackend,
+    Step5CSATailRingMetadataBuilder,
+)
+from stepops.allocator import KVCaches, LayerKVCache, UnifiedPages, allocate_kv_caches, unify_page_sizes  # noqa: F401

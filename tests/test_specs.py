@@ -16,12 +16,16 @@ def test_full_attention_page_counts_k_and_v():
 
 
 def test_head_size_v_may_differ_or_be_zero():
-    assert FullAttentionSpec(block_size=8, num_kv_heads=1, head_size=192, head_size_v=128, dtype=torch.float16).page_size_bytes == 8 * 320 * 2
-    assert FullAttentionSpec(block_size=8, num_kv_heads=1, head_size=576, head_size_v=0, dtype=torch.float8_e4m3fn).page_size_bytes == 8 * 576
+    mixed = FullAttentionSpec(block_size=8, num_kv_heads=1, head_size=192, head_size_v=128, dtype=torch.float16)
+    assert mixed.page_size_bytes == 8 * 320 * 2
+    latent = FullAttentionSpec(block_size=8, num_kv_heads=1, head_size=576, head_size_v=0, dtype=torch.float8_e4m3fn)
+    assert latent.page_size_bytes == 8 * 576
 
 
 def test_sliding_window_and_circular_buffer_pages():
-    swa = SlidingWindowSpec(block_size=4, num_kv_heads=2, head_size=128, head_size_v=0, dtype=torch.bfloat16, sliding_window=4)
+    swa = SlidingWindowSpec(
+        block_size=4, num_kv_heads=2, head_size=128, head_size_v=0, dtype=torch.bfloat16, sliding_window=4
+    )
     assert swa.page_size_bytes == 4 * 2 * 128 * 2
     ring = CircularBufferSpec(
         block_size=16, num_kv_heads=1, head_size=512, head_size_v=0, dtype=torch.bfloat16, block_stride_alignment=1024
@@ -30,7 +34,9 @@ def test_sliding_window_and_circular_buffer_pages():
 
 
 def test_with_block_size_keeps_type_and_fields():
-    swa = SlidingWindowSpec(block_size=4, num_kv_heads=2, head_size=128, head_size_v=0, dtype=torch.bfloat16, sliding_window=4)
+    swa = SlidingWindowSpec(
+        block_size=4, num_kv_heads=2, head_size=128, head_size_v=0, dtype=torch.bfloat16, sliding_window=4
+    )
     bigger = swa.with_block_size(32)
     assert type(bigger) is SlidingWindowSpec
     assert (bigger.block_size, bigger.sliding_window, bigger.head_size_v) == (32, 4, 0)

@@ -1,0 +1,177 @@
+"""From specs to bound caches: the page unifier, the allocator and the binding.
+
+A hybrid model's layers ask for pages of different sizes (an Inkling conv-state page, an attention page,
+a Step5 CSA tail ring sized to its main layer's page). A paged cache manager hands out blocks of one size,
+so :func:`unify_page_sizes` makes every layer's page the size of the largest one (``page_bytes``):
+
+- a page that divides ``page_bytes`` is scaled: the layer's ``block_size`` is multiplied by the ratio (an
+  attention layer holds more tokens per block; an Inkling conv state gets ``N > W``, e.g. ``W = 4`` becomes
+  ``N = 32`` next to a page eight times larger);
+- a page that does not divide it is padded: the layer keeps its spec, and its blocks are ``page_bytes``
+  apart, wider than its page. Only layers that index blocks through the block stride may be padded (the
+  backend's ``indexes_kv_by_block_stride()``, and every :class:`CircularBufferSpec`), and the stride must
+  be a whole number of the layer's elements and of a ring's ``block_stride_alignment``.
+
+:func:`allocate_kv_caches` then gives every layer its own buffer of ``num_blocks * page_bytes`` bytes (one
+base per layer: a base shared by layers makes Inductor clone it), shapes the backend's view of it with
+``stride(0) = page_bytes`` and binds it to the layer's owner. See ``docs/caches.md``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from stepops.specs import AttentionSpec, CircularBufferSpec
+
+
+@dataclass(frozen=True)
+class UnifiedPages:
+    """Every layer's spec after unification; each layer's blocks are ``page_bytes`` apart.
+
+    ``specs[name].page_size_bytes`` is ``page_bytes`` for scaled layers and smaller for padded ones.
+    """
+
+    page_bytes: int
+    specs: dict[str, AttentionSpec]
+
+    def is_padded(self, layer_name: str) -> bool:
+        """Whether the layer's page is smaller than its block stride."""
+        return self.specs[layer_name].page_size_bytes < self.page_bytes
+
+
+def unify_page_sizes(specs: Mapping[str, AttentionSpec], *, strided: Collection[str] = ()) -> UnifiedPages:
+    """Give every layer in ``specs`` (layer name -> spec) the same block stride, the largest page.
+
+    ``strided`` names the layers whose backend reads blocks through the block stride (so they may be
+    padded); :class:`CircularBufferSpec` layers may always be padded. Raises ``ValueError`` when a page
+    neither divides the largest page nor may be padded, or when the padded stride breaks the layer's
+    alignment.
+    """
+    if not specs:
+        raise ValueError("unify_page_sizes needs at least one layer spec")
+    for name, spec in specs.items():
+        if not isinstance(spec, AttentionSpec):
+            raise TypeError(f"spec of layer {name} must be an AttentionSpec, got {type(spec).__name__}")
+    page_bytes = max(spec.page_size_bytes for spec in specs.values())
+    unified: dict[str, AttentionSpec] = {}
+    for name, spec in specs.items():
+        size = spec.page_size_bytes
+        if page_bytes % size == 0:
+            unified[name] = spec.with_block_size(spec.block_size * (page_bytes // size))
+            continue
+        if not (isinstance(spec, CircularBufferSpec) or name in strided):
+            raise ValueError(
+                f"layer {name}: its {size}-byte page does not divide the {page_bytes}-byte page of the largest "
+                "layer, and its backend does not index blocks by stride, so it can be neither scaled nor padded"
+            )
+        alignment = spec.dtype.itemsize
+        if isinstance(spec, CircularBufferSpec):
+            alignment = math.lcm(alignment, spec.block_stride_alignment)
+        if page_bytes % alignment:
+            raise ValueError(
+                f"layer {name}: a padded block stride of {page_bytes} bytes is not a multiple of its "
+                f"{alignment}-byte alignment"
+            )
+        unified[name] = spec
+    return UnifiedPages(page_bytes=page_bytes, specs=unified)
+
+
+@dataclass(frozen=True)
+class LayerKVCache:
+    """One layer's cache: its unified spec, its own byte buffer and the view bound to its owner."""
+
+    spec: AttentionSpec
+    buffer: torch.Tensor  # uint8 [num_blocks * page_bytes]: the layer's whole allocation
+    kv_cache: torch.Tensor  # the backend's shape over ``buffer``; block b starts at byte b * page_bytes
+
+
+@dataclass(frozen=True)
+class KVCaches:
+    """What :func:`allocate_kv_caches` made: ``num_blocks`` blocks of ``page_bytes`` for every layer."""
+
+    page_bytes: int
+    num_blocks: int
+    layers: dict[str, LayerKVCache]
+
+    @property
+    def specs(self) -> dict[str, AttentionSpec]:
+        """Layer name -> spec after unification."""
+        return {name: layer.spec for name, layer in self.layers.items()}
+
+    @property
+    def kv_caches(self) -> dict[str, torch.Tensor]:
+        """Layer name -> the view bound to the layer's owner."""
+        return {name: layer.kv_cache for name, layer in self.layers.items()}
+
+
+def _cache_view(
+    buffer: torch.Tensor, spec: AttentionSpec, backend: Any, num_blocks: int, page_bytes: int
+) -> torch.Tensor:
+    # The backend's logical shape with the packed K + V width as head_size (head_size_v = 0 for packed
+    # layers), contiguous inside a block, blocks page_bytes apart.
+    shape = tuple(
+        backend.get_kv_cache_shape(num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size + spec.head_size_v)
+    )
+    order = tuple(backend.get_kv_cache_stride_order())
+    if order != tuple(range(len(shape))):
+        raise ValueError(
+            f"{backend.get_name()}: only identity stride orders are supported (blocks outermost), got {order}"
+        )
+    itemsize = spec.dtype.itemsize
+    if shape[0] != num_blocks or math.prod(shape[1:]) * itemsize != spec.page_size_bytes:
+        raise ValueError(
+            f"{backend.get_name()}: cache shape {shape} is not {num_blocks} blocks of one "
+            f"{spec.page_size_bytes}-byte page"
+        )
+    inner = [1]
+    for size in reversed(shape[2:]):
+        inner.insert(0, inner[0] * size)
+    return buffer.view(spec.dtype).as_strided(shape, (page_bytes // itemsize, *inner))
+
+
+def allocate_kv_caches(
+    static_forward_context: Mapping[str, Any], num_blocks: int, *, device: torch.device | str | None = None
+) -> KVCaches:
+    """Allocate and bind the cache of every layer in the forward context that has ``get_kv_cache_spec()``.
+
+    Asks each such layer (an owner from :mod:`stepops.owners`) for its spec and backend, unifies the page
+    sizes (:func:`unify_page_sizes`, padding allowed where ``backend.indexes_kv_by_block_stride()``),
+    allocates a zeroed ``uint8 [num_blocks * page_bytes]`` buffer per layer on ``device``, views it as
+    ``backend.get_kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size + head_size_v)`` with
+    ``stride(0) = page_bytes / itemsize`` and calls the owner's ``bind_kv_cache``. Layers are bound in the
+    context's order.
+    """
+    if not isinstance(num_blocks, int) or isinstance(num_blocks, bool):
+        raise TypeError(f"num_blocks must be an int, got {type(num_blocks).__name__}")
+    if num_blocks < 1:
+        raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+    owners = {
+        name: layer
+        for name, layer in static_forward_context.items()
+        if callable(getattr(layer, "get_kv_cache_spec", None))
+    }
+    if not owners:
+        raise ValueError("the forward context has no layer with get_kv_cache_spec()")
+    for name, owner in owners.items():
+        for method in ("get_attn_backend", "bind_kv_cache"):
+            if not callable(getattr(owner, method, None)):
+                raise TypeError(f"layer {name} has get_kv_cache_spec() but no {method}()")
+    backends = {name: owner.get_attn_backend() for name, owner in owners.items()}
+    unified = unify_page_sizes(
+        {name: owner.get_kv_cache_spec() for name, owner in owners.items()},
+        strided=[name for name, backend in backends.items() if backend.indexes_kv_by_block_stride()],
+    )
+    page_bytes = unified.page_bytes
+    layers: dict[str, LayerKVCache] = {}
+    for name, owner in owners.items():
+        spec = unified.specs[name]
+        buffer = torch.zeros(num_blocks * page_bytes, dtype=torch.uint8, device=device)
+        kv_cache = _cache_view(buffer, spec, backends[name], num_blocks, page_bytes)
+        owner.bind_kv_cache(kv_cache)
+        layers[name] = LayerKVCache(spec=spec, buffer=buffer, kv_cache=kv_cache)
+    return KVCaches(page_bytes=page_bytes, num_blocks=num_blocks, layers=layers)

@@ -1,0 +1,176 @@
+"""Inkling's short-conv state owner and its dummy backend (seed ``002_812221d3a4993591.txt``), engine-neutral.
+
+One :class:`InklingConvState` per decoder layer emits one sliding-window KV cache spec whose page packs
+the four conv streams per KV head (:class:`stepops.layouts.InklingConvStateLayout`), gets its HND cache
+``[num_blocks, H, N, D]`` bound by the allocator, and runs ``stepops::sconv`` on it one stream at a time.
+Tensor parallelism, the dtype and the forward context are explicit arguments instead of engine globals.
+"""
+
+from __future__ import annotations
+
+from collections.abc import MutableMapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from stepops.layouts import InklingConvStateLayout, InklingStream
+from stepops.ops.sconv import SconvMetadata, build_sconv_metadata, sconv
+from stepops.owners._context import register_layer
+from stepops.specs import SlidingWindowSpec
+
+
+class InklingSconvMetadataBuilder:
+    """Builds :class:`SconvMetadata` for one step of a bound conv-state cache (a thin
+    :func:`build_sconv_metadata`). ``block_size`` is the bound cache's ``N``, which may exceed the
+    kernel size."""
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+
+    def build(
+        self,
+        query_start_loc: torch.Tensor,
+        seq_lens: torch.Tensor,
+        block_table: torch.Tensor,
+        num_tokens: int,
+    ) -> SconvMetadata:
+        """``query_start_loc`` ``[R + 1]``, ``seq_lens`` ``[R]``, ``block_table`` ``[R, max_blocks]`` int;
+        outputs are ``[num_tokens]`` int32 on the device."""
+        return build_sconv_metadata(query_start_loc, seq_lens, block_table, self.block_size, num_tokens)
+
+
+class InklingSconvBackend:
+    """Custom dummy backend for the sconv sliding-window cache management."""
+
+    @staticmethod
+    def get_name() -> str:
+        return "INKLING_SCONV_SWA"
+
+    @classmethod
+    def indexes_kv_by_block_stride(cls) -> bool:
+        # num_blocks is the outermost dim (HND, see get_kv_cache_shape), so the padded conv page is read
+        # through a strided view.
+        return True
+
+    @staticmethod
+    def get_kv_cache_shape(
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_size: int,
+        cache_dtype_str: str = "auto",
+    ) -> tuple[int, ...]:
+        """HND, num-blocks-first, head-major: ``(num_blocks, H, N, D)``."""
+        return (num_blocks, num_kv_heads, block_size, head_size)
+
+    @staticmethod
+    def get_kv_cache_stride_order(include_num_layers_dimension: bool = False) -> tuple[int, ...]:
+        """Identity: physical layout == logical ``[num_blocks, H, N, D]``."""
+        return (0, 1, 2, 3, 4) if include_num_layers_dimension else (0, 1, 2, 3)
+
+    @staticmethod
+    def get_impl_cls():
+        raise NotImplementedError("InklingSconvBackend has no attention impl; the conv runs out-of-band.")
+
+    @staticmethod
+    def get_builder_cls() -> type[InklingSconvMetadataBuilder]:
+        return InklingSconvMetadataBuilder
+
+
+class InklingConvState(nn.Module):
+    """Per-decoder-layer owner emitting one sliding-window conv-state spec.
+
+    ``num_kv_heads`` is the per-rank head count ``H`` (``tp_size <= num_kv_heads`` keeps whole heads per
+    rank); ``head_size`` is the packed per-head width ``D`` (K + V + attention-output chunk + MLP-output
+    chunk, rounded up to a power of two); ``stream_ranges`` the ``(offset, width)`` of each stream in
+    :class:`InklingStream` order; ``sliding_window = block_size = kernel_size`` as declared (the bound
+    cache's ``N`` may be larger: read it from ``kv_cache.shape[2]``). bf16 only. ``kv_cache`` is an empty
+    placeholder until :meth:`bind_kv_cache`.
+    """
+
+    def __init__(
+        self,
+        *,
+        num_kv_heads: int,
+        head_dim: int,
+        hidden_size: int,
+        kernel_size: int,
+        prefix: str,
+        static_forward_context: MutableMapping[str, Any],
+        tp_size: int = 1,
+        dtype: torch.dtype = torch.bfloat16,
+    ) -> None:
+        super().__init__()
+        # The layout raises the seed's guardrail errors (tp_size <= num_kv_heads, bf16 only) before the
+        # layer is registered, so a rejected layer never enters the context.
+        self.layout = InklingConvStateLayout(
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            hidden_size=hidden_size,
+            kernel_size=kernel_size,
+            tp_size=tp_size,
+            dtype=dtype,
+        )
+        register_layer(prefix, self, static_forward_context)
+        self.prefix = prefix
+        self.kv_cache = torch.tensor([])
+        self.num_kv_heads = self.layout.local_num_kv_heads
+        self.head_size = self.layout.head_size
+        self.sliding_window = kernel_size
+        self.block_size = kernel_size
+        self.stream_ranges: tuple[tuple[int, int], ...] = self.layout.stream_ranges
+        self.dtype = dtype
+
+    def forward(self) -> None:
+        """Nothing: the owner only holds the cache; the conv runs through :meth:`conv`."""
+
+    def get_attn_backend(self) -> type[InklingSconvBackend]:
+        return InklingSconvBackend
+
+    def get_kv_cache_spec(self) -> SlidingWindowSpec:
+        return SlidingWindowSpec(
+            block_size=self.block_size,
+            num_kv_heads=self.num_kv_heads,
+            head_size=self.head_size,
+            head_size_v=0,  # all 4 streams packed into head_size
+            dtype=self.dtype,
+            sliding_window=self.sliding_window,
+        )
+
+    def bind_kv_cache(self, kv_cache: torch.Tensor) -> None:
+        """Bind ``[num_blocks, H, N, D]`` bf16 (``N >= kernel_size``, blocks contiguous, stride(0) free)."""
+        self.kv_cache = self.layout.bind(kv_cache).kv_cache
+
+    def metadata_builder(self) -> InklingSconvMetadataBuilder:
+        """A builder for this bound cache's metadata (it carries the bound ``N``)."""
+        if self.kv_cache.dim() != 4:
+            raise ValueError(f"Inkling conv state {self.prefix} has no cache bound yet")
+        return InklingSconvMetadataBuilder(self.kv_cache.shape[2])
+
+    def conv(
+        self,
+        stream: InklingStream,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        block_table: torch.Tensor,
+        metadata: SconvMetadata,
+        *,
+        residual: bool = True,
+        silu: bool = False,
+        validate: bool = False,
+    ) -> torch.Tensor:
+        """Run ``stream``'s short conv on ``x`` ``[T, H * width]`` bf16 with ``weight`` ``[H * width, W]``:
+        store each token's input in the bound cache and return ``y`` ``[T, H * width]`` bf16
+        (see :func:`stepops.sconv`)."""
+        if self.kv_cache.dim() != 4:
+            raise ValueError(f"Inkling conv state {self.prefix} has no cache bound yet")
+        offset, width = self.layout.stream_range(stream)
+        if x.dim() != 2 or x.shape[1] != self.num_kv_heads * width:
+            raise ValueError(
+                f"{InklingStream(stream).name} stream input must be [T, {self.num_kv_heads * width}] "
+                f"(H * width), got {tuple(x.shape)}"
+            )
+        return sconv(
+            x, weight, self.kv_cache, block_table, metadata, offset, residual=residual, silu=silu, validate=validate
+        )

@@ -1,0 +1,230 @@
+"""Step5's CSA tail ring as a layer-side cache owner (seed ``000_091e919e7e155012.txt``), engine-neutral.
+
+The ring keeps the raw ``[index_k | index_z]`` rows of each request's open CSA region in one main KV page
+(:class:`stepops.layouts.CSATailRingLayout`): the owner emits the ring's KV cache spec from its main
+layer's spec, gets its cache bound by the allocator and calls ``stepops::csa_ring_update`` on it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, MutableMapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from stepops.layouts import ROW_BYTES, CSATailRingLayout
+from stepops.ops.csa_ring_update import CSARingMetadata, build_csa_ring_metadata, csa_ring_update
+from stepops.owners._context import register_layer
+from stepops.specs import AttentionSpec, CircularBufferSpec
+
+
+class Step5CSATailRingMetadataBuilder:
+    """Builds :class:`CSARingMetadata` for one step of a bound ring (a thin :func:`build_csa_ring_metadata`).
+
+    ``rows_per_block`` is the bound ring's block stride in rows; ``summary_block_size`` the block size of
+    the summary cache's block table.
+    """
+
+    def __init__(self, rows_per_block: int, summary_block_size: int) -> None:
+        self.rows_per_block = rows_per_block
+        self.summary_block_size = summary_block_size
+
+    def build(
+        self,
+        query_start_loc: torch.Tensor,
+        seq_lens: torch.Tensor,
+        ring_blocks: torch.Tensor,
+        summary_block_table: torch.Tensor,
+        num_tokens: int,
+    ) -> CSARingMetadata:
+        """``query_start_loc`` ``[R + 1]``, ``seq_lens`` ``[R]``, ``ring_blocks`` ``[R]``,
+        ``summary_block_table`` ``[R, max_blocks]`` int; outputs are ``[num_tokens]`` int32 on the device."""
+        return build_csa_ring_metadata(
+            query_start_loc,
+            seq_lens,
+            ring_blocks,
+            self.rows_per_block,
+            summary_block_table,
+            self.summary_block_size,
+            num_tokens,
+        )
+
+
+class Step5CSATailRingBackend:
+    """Cache geometry of the ring: NHD ``[num_blocks, block_size, 1, head_size]`` bf16, rows across it."""
+
+    @staticmethod
+    def get_name() -> str:
+        return "STEP5_CSA_TAIL_RING"
+
+    @classmethod
+    def indexes_kv_by_block_stride(cls) -> bool:
+        # Rows are addressed as block * rows_per_block + p % capacity, with rows_per_block from stride(0).
+        return True
+
+    @staticmethod
+    def get_kv_cache_shape(
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_size: int,
+        cache_dtype_str: str = "auto",
+    ) -> tuple[int, ...]:
+        """``(num_blocks, block_size, num_kv_heads, head_size)``: one contiguous page per block."""
+        return (num_blocks, block_size, num_kv_heads, head_size)
+
+    @staticmethod
+    def get_kv_cache_stride_order(include_num_layers_dimension: bool = False) -> tuple[int, ...]:
+        """Identity: the physical layout is the logical one."""
+        return (0, 1, 2, 3, 4) if include_num_layers_dimension else (0, 1, 2, 3)
+
+    @staticmethod
+    def get_impl_cls():
+        raise NotImplementedError(
+            "Step5CSATailRingBackend has no attention impl; the ring is written by csa_ring_update."
+        )
+
+    @staticmethod
+    def get_builder_cls() -> type[Step5CSATailRingMetadataBuilder]:
+        return Step5CSATailRingMetadataBuilder
+
+
+class Step5CSATailRing(nn.Module):
+    """Raw ``[index_k | index_z]`` rows of each request's open CSA region.
+
+    A region summary is a fixed-order online softmax over its eight rows, so the rows are the whole
+    state: the row that closes a region replays the other seven from here, and a rejected draft is undone
+    by the next step overwriting its row. One verify step stores up to ``k + 1`` rows while the next step
+    may still replay up to seven earlier rows of the same region, so the ring needs ``7 + k`` rows. It is
+    sized to one page of the main layer (``main_layer_name`` in ``static_forward_context``) so that it
+    shares the page size of the other KV cache groups.
+
+    After :meth:`bind_kv_cache`: ``capacity`` rows per ring, ``rows_per_block`` rows between the starts of
+    consecutive blocks (``> capacity`` when the page is padded) and ``rows``, the 2-D
+    ``[(num_blocks - 1) * rows_per_block + capacity, 512]`` bf16 view; block ``b``'s ring is rows
+    ``[b * rows_per_block, + capacity)``.
+    """
+
+    def __init__(
+        self,
+        *,
+        prefix: str,
+        main_layer_name: str,
+        num_speculative_tokens: int,
+        static_forward_context: MutableMapping[str, Any],
+    ) -> None:
+        super().__init__()
+        if not isinstance(num_speculative_tokens, int) or isinstance(num_speculative_tokens, bool):
+            raise TypeError(f"num_speculative_tokens must be an int, got {type(num_speculative_tokens).__name__}")
+        if num_speculative_tokens < 0:
+            raise ValueError(f"num_speculative_tokens must be >= 0, got {num_speculative_tokens}")
+        register_layer(prefix, self, static_forward_context)
+        self._static_forward_context = static_forward_context
+        self.layer_name = prefix
+        self.main_layer_name = main_layer_name
+        self.num_speculative_tokens = num_speculative_tokens
+        self.required_rows = 7 + num_speculative_tokens
+        self.kv_cache = torch.tensor([])
+        self.rows = self.kv_cache
+        self.capacity = 0
+        self.rows_per_block = 0
+
+    def _main_spec(self) -> AttentionSpec:
+        main = self._static_forward_context.get(self.main_layer_name)
+        if main is None:
+            raise ValueError(
+                f"Step5 CSA tail ring {self.layer_name}: main layer {self.main_layer_name!r} is not in the "
+                "forward context"
+            )
+        if not callable(getattr(main, "get_kv_cache_spec", None)):
+            raise TypeError(
+                f"Step5 CSA tail ring {self.layer_name}: main layer {self.main_layer_name!r} has no "
+                "get_kv_cache_spec()"
+            )
+        return main.get_kv_cache_spec()
+
+    def get_kv_cache_spec(self) -> CircularBufferSpec:
+        """One main page of ``capacity`` 1 KB rows, declared with the main layer's block size.
+
+        Declaring the main block size keeps the ring from coarsening the hybrid prefix-cache alignment.
+        Raises the seed's ``ValueError`` when the page is not whole rows or holds fewer than ``7 + k``.
+        """
+        main_spec = self._main_spec()
+        layout = CSATailRingLayout(
+            page_bytes=main_spec.page_size_bytes,
+            block_size=main_spec.block_size,
+            num_speculative_tokens=self.num_speculative_tokens,
+        )
+        self.capacity = layout.capacity
+        return CircularBufferSpec(
+            block_size=main_spec.block_size,
+            num_kv_heads=1,
+            head_size=layout.head_size,
+            head_size_v=0,
+            dtype=torch.bfloat16,
+            # Rows are addressed across blocks, which may be strided.
+            block_stride_alignment=ROW_BYTES,
+        )
+
+    def get_attn_backend(self) -> type[Step5CSATailRingBackend]:
+        return Step5CSATailRingBackend
+
+    def bind_kv_cache(self, kv_cache: torch.Tensor) -> None:
+        """Bind the ring's bf16 cache ``[num_blocks, ...]`` (one contiguous page per block, any stride(0)).
+
+        ``capacity`` comes from the page (``kv_cache[0]``), ``rows_per_block`` from ``stride(0)``; a stride
+        that is not whole rows or overlaps pages, or a page too small for ``7 + k`` rows, is a ``ValueError``.
+        """
+        if not isinstance(kv_cache, torch.Tensor):
+            raise TypeError(f"kv_cache must be a torch.Tensor, got {type(kv_cache).__name__}")
+        if kv_cache.dim() < 2 or kv_cache.shape[0] == 0:
+            raise ValueError(
+                f"Step5 CSA tail ring cache must be [num_blocks, ...] with num_blocks >= 1, "
+                f"got shape {tuple(kv_cache.shape)}"
+            )
+        # block_size=1: the bound page only has to be whole rows; the per-token split was checked by the spec.
+        layout = CSATailRingLayout(
+            page_bytes=kv_cache[0].numel() * kv_cache.element_size(),
+            block_size=1,
+            num_speculative_tokens=self.num_speculative_tokens,
+        )
+        bound = layout.bind(kv_cache)
+        self.kv_cache = bound.kv_cache
+        self.capacity = bound.capacity
+        self.rows_per_block = bound.rows_per_block
+        self.rows = bound.rows
+
+    def metadata_builder(self, summary_block_size: int) -> Step5CSATailRingMetadataBuilder:
+        """A builder for this bound ring's metadata (it carries ``rows_per_block``)."""
+        if self.rows_per_block == 0:
+            raise ValueError(f"Step5 CSA tail ring {self.layer_name} has no cache bound yet")
+        return Step5CSATailRingMetadataBuilder(self.rows_per_block, summary_block_size)
+
+    def metadata(self, attn_metadata: Mapping[str, Any]) -> CSARingMetadata:
+        """This layer's entry of a step's per-layer metadata mapping (an engine's ``attn_metadata``)."""
+        if not isinstance(attn_metadata, Mapping):
+            raise TypeError(
+                f"attn_metadata must be a mapping of layer name to metadata, got {type(attn_metadata).__name__}"
+            )
+        if self.layer_name not in attn_metadata:
+            raise ValueError(f"attn_metadata has no entry for layer {self.layer_name}")
+        metadata = attn_metadata[self.layer_name]
+        if not isinstance(metadata, CSARingMetadata):
+            raise TypeError(f"metadata of {self.layer_name} must be CSARingMetadata, got {type(metadata).__name__}")
+        return metadata
+
+    def update(
+        self,
+        index_k: torch.Tensor,
+        index_z: torch.Tensor,
+        summary_cache: torch.Tensor,
+        metadata: CSARingMetadata,
+        *,
+        validate: bool = False,
+    ) -> None:
+        """Store the step's rows ``index_k``, ``index_z`` ``[T, 256]`` bf16 in the bound ring and write the
+        summary of every region a token closes into ``summary_cache`` (see :func:`stepops.csa_ring_update`)."""
+        if self.rows_per_block == 0:
+            raise ValueError(f"Step5 CSA tail ring {self.layer_name} has no cache bound yet")
+        csa_ring_update(index_k, index_z, self.rows, summary_cache, metadata, self.capacity, validate=validate)

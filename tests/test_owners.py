@@ -1,0 +1,430 @@
+"""The seeds' cache owners, engine-neutral: every method and error of the two seeds, plus the attention owner.
+
+Expected values are counted by hand from the seeds (page sizes, rows, slots), never taken from the code.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from stepops.layouts import InklingStream
+from stepops.ops.csa_ring_update import CSARingMetadata
+from stepops.owners import (
+    InklingConvState,
+    InklingSconvBackend,
+    InklingSconvMetadataBuilder,
+    PagedAttentionBackend,
+    PagedAttentionLayer,
+    Step5CSATailRing,
+    Step5CSATailRingBackend,
+    Step5CSATailRingMetadataBuilder,
+)
+from stepops.specs import CircularBufferSpec, FullAttentionSpec, SlidingWindowSpec
+
+
+def _main_layer(context, block_size=16, head_size=256, prefix="layers.0.attn"):
+    # One KV head of 256 K + 256 V bf16: 1 KB per token, so a page of block_size tokens holds block_size rows.
+    return PagedAttentionLayer(
+        prefix=prefix, num_kv_heads=1, head_size=head_size, block_size=block_size, static_forward_context=context
+    )
+
+
+def _ring(context, k=2, prefix="layers.0.ring", main="layers.0.attn"):
+    return Step5CSATailRing(
+        prefix=prefix, main_layer_name=main, num_speculative_tokens=k, static_forward_context=context
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------
+# PagedAttentionLayer
+# ---------------------------------------------------------------------------------------------------------
+
+
+def test_paged_attention_layer_specs_and_registration():
+    context = {}
+    full = PagedAttentionLayer(prefix="a", num_kv_heads=2, head_size=64, block_size=16, static_forward_context=context)
+    swa = PagedAttentionLayer(
+        prefix="b", num_kv_heads=2, head_size=64, block_size=16, static_forward_context=context, sliding_window=128
+    )
+    assert context == {"a": full, "b": swa}
+    assert full.get_kv_cache_spec() == FullAttentionSpec(
+        block_size=16, num_kv_heads=2, head_size=64, dtype=torch.bfloat16
+    )
+    assert swa.get_kv_cache_spec() == SlidingWindowSpec(
+        block_size=16, num_kv_heads=2, head_size=64, dtype=torch.bfloat16, sliding_window=128
+    )
+    assert full.get_attn_backend() is PagedAttentionBackend
+    with pytest.raises(ValueError, match="^Duplicate layer name: a$"):
+        PagedAttentionLayer(prefix="a", num_kv_heads=1, head_size=8, block_size=16, static_forward_context=context)
+
+
+def test_paged_attention_layer_binds_strided_nhd_cache():
+    context = {}
+    layer = PagedAttentionLayer(
+        prefix="a", num_kv_heads=2, head_size=8, head_size_v=4, block_size=4, static_forward_context=context
+    )
+    page = 8 * 2 * 12  # N = 8 tokens of 2 heads * 12
+    base = torch.arange(3 * (page + 8), dtype=torch.bfloat16)
+    cache = base.as_strided((3, 8, 2, 12), (page + 8, 24, 12, 1))  # N = 8: a scaled block, strided pages
+    layer.bind_kv_cache(cache)
+    assert layer.kv_cache is cache
+    assert torch.equal(layer.key_cache, cache[..., :8]) and torch.equal(layer.value_cache, cache[..., 8:])
+    with pytest.raises(ValueError, match=r"must be \[num_blocks, N, 2, 12\] with N a multiple of 4"):
+        layer.bind_kv_cache(torch.zeros(3, 6, 2, 12, dtype=torch.bfloat16))
+    with pytest.raises(TypeError, match="must be torch.bfloat16, got torch.float32"):
+        layer.bind_kv_cache(torch.zeros(3, 4, 2, 12))
+    with pytest.raises(ValueError, match="blocks overlap"):
+        layer.bind_kv_cache(base.as_strided((3, 8, 2, 12), (page // 2, 24, 12, 1)))
+    with pytest.raises(ValueError, match="contiguous within a block"):
+        layer.bind_kv_cache(torch.zeros(3, 2, 4, 12, dtype=torch.bfloat16).transpose(1, 2))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Step5CSATailRing
+# ---------------------------------------------------------------------------------------------------------
+
+
+def test_ring_registers_and_starts_unbound():
+    context = {}
+    _main_layer(context)
+    ring = _ring(context, k=3)
+    assert context["layers.0.ring"] is ring
+    assert ring.layer_name == "layers.0.ring" and ring.main_layer_name == "layers.0.attn"
+    assert ring.required_rows == 10
+    assert ring.kv_cache.numel() == 0 and ring.rows.numel() == 0
+    assert (ring.capacity, ring.rows_per_block) == (0, 0)
+    assert isinstance(ring, torch.nn.Module)
+
+
+def test_ring_duplicate_name_is_the_seeds_error():
+    context = {}
+    _main_layer(context)
+    _ring(context)
+    with pytest.raises(ValueError, match="^Duplicate layer name: layers.0.ring$"):
+        _ring(context)
+    with pytest.raises(ValueError, match="^Duplicate layer name: layers.0.attn$"):
+        _ring(context, prefix="layers.0.attn")
+
+
+def test_ring_spec_is_one_main_page_of_rows():
+    context = {}
+    main = _main_layer(context, block_size=16)  # 16 tokens * 1 KB = 16384-byte page
+    ring = _ring(context, k=2)
+    spec = ring.get_kv_cache_spec()
+    assert spec == CircularBufferSpec(
+        block_size=16, num_kv_heads=1, head_size=512, head_size_v=0, dtype=torch.bfloat16, block_stride_alignment=1024
+    )
+    assert spec.page_size_bytes == main.get_kv_cache_spec().page_size_bytes == 16384
+    assert ring.capacity == 16
+
+
+@pytest.mark.parametrize(
+    "block_size, head_size, k, message",
+    [
+        # 4 tokens * 1 KB = 4 rows < 7 + 2.
+        (4, 256, 2, "Step5 CSA tail ring needs 9 rows of 1024 bytes in one 4096-byte KV page; increase --block-size."),
+        # 16 tokens * (100 + 100) * 2 B = 6400 bytes: not whole rows.
+        (16, 100, 0, "Step5 CSA tail ring needs 7 rows of 1024 bytes in one 6400-byte KV page; increase --block-size."),
+    ],
+)
+def test_ring_spec_too_small_page_is_the_seeds_error(block_size, head_size, k, message):
+    context = {}
+    _main_layer(context, block_size=block_size, head_size=head_size)
+    ring = _ring(context, k=k)
+    with pytest.raises(ValueError) as info:
+        ring.get_kv_cache_spec()
+    assert str(info.value) == message
+
+
+def test_ring_spec_needs_its_main_layer():
+    context = {}
+    ring = _ring(context, main="nowhere")
+    with pytest.raises(ValueError, match="main layer 'nowhere' is not in the forward context"):
+        ring.get_kv_cache_spec()
+    context["nowhere"] = object()
+    with pytest.raises(TypeError, match="has no get_kv_cache_spec"):
+        ring.get_kv_cache_spec()
+
+
+def test_ring_rejects_bad_speculative_tokens_before_registering():
+    context = {}
+    with pytest.raises(ValueError, match="num_speculative_tokens must be >= 0, got -1"):
+        _ring(context, k=-1)
+    with pytest.raises(TypeError, match="num_speculative_tokens must be an int"):
+        _ring(context, k=1.0)
+    assert context == {}
+
+
+def _fill_rows(kv_cache: torch.Tensor) -> None:
+    # Every element of the whole storage gets a distinct value, so aliasing is visible.
+    storage = kv_cache.as_strided((kv_cache.untyped_storage().nbytes() // 2,), (1,), 0)
+    storage.copy_(torch.arange(storage.numel(), dtype=torch.float32).to(torch.bfloat16))
+
+
+def test_ring_binds_contiguous_blocks():
+    context = {}
+    _main_layer(context)
+    ring = _ring(context)
+    cache = torch.empty(3, 16, 1, 512, dtype=torch.bfloat16)
+    _fill_rows(cache)
+    ring.bind_kv_cache(cache)
+    assert (ring.capacity, ring.rows_per_block) == (16, 16)
+    assert ring.kv_cache is cache
+    assert ring.rows.shape == (48, 512)
+    assert torch.equal(ring.rows, cache.reshape(48, 512))
+
+
+def test_ring_binds_page_strided_blocks():
+    context = {}
+    _main_layer(context)
+    ring = _ring(context)
+    buffer = torch.empty(3 * 24 * 512, dtype=torch.bfloat16)  # 24 rows between blocks, 16 in each page
+    cache = buffer.as_strided((3, 16, 1, 512), (24 * 512, 512, 512, 1))
+    _fill_rows(cache)
+    ring.bind_kv_cache(cache)
+    assert (ring.capacity, ring.rows_per_block) == (16, 24)
+    # Seed: (num_blocks - 1) * rows_per_block + capacity rows, block b's ring at rows [24 b, 24 b + 16).
+    assert ring.rows.shape == (2 * 24 + 16, 512)
+    for block in range(3):
+        assert torch.equal(ring.rows[24 * block : 24 * block + 16], cache[block].reshape(16, 512))
+    assert torch.equal(ring.rows, buffer[: 64 * 512].view(64, 512))
+
+
+def test_ring_bind_rejects_bad_caches_with_value_errors():
+    context = {}
+    _main_layer(context)
+    ring = _ring(context, k=2)
+    buffer = torch.zeros(4 * 16 * 512, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="block stride 8448 is not a whole number of 512-element rows"):
+        ring.bind_kv_cache(buffer.as_strided((3, 16, 1, 512), (16 * 512 + 256, 512, 512, 1)))
+    with pytest.raises(ValueError, match="blocks overlap"):
+        ring.bind_kv_cache(buffer.as_strided((3, 16, 1, 512), (8 * 512, 512, 512, 1)))
+    with pytest.raises(ValueError) as info:
+        ring.bind_kv_cache(torch.zeros(3, 4, 1, 512, dtype=torch.bfloat16))
+    assert str(info.value) == (
+        "Step5 CSA tail ring needs 9 rows of 1024 bytes in one 4096-byte KV page; increase --block-size."
+    )
+    with pytest.raises(TypeError, match="must be bfloat16"):
+        ring.bind_kv_cache(torch.zeros(3, 16, 1, 256))
+    with pytest.raises(TypeError, match="must be a torch.Tensor"):
+        ring.bind_kv_cache([0.0])
+    with pytest.raises(ValueError, match="num_blocks >= 1"):
+        ring.bind_kv_cache(torch.zeros(0, 16, 1, 512, dtype=torch.bfloat16))
+
+
+def _ring_metadata(position, ring_base, summary_slot=None):
+    n = len(position)
+    i32 = lambda v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
+    return CSARingMetadata(
+        position=i32(position),
+        chunk_start=i32([0] * n),
+        chunk_len=i32([n] * n),
+        ring_base=i32(ring_base),
+        summary_slot=i32(summary_slot if summary_slot is not None else [-1] * n),
+    )
+
+
+def test_ring_metadata_lookup():
+    context = {}
+    _main_layer(context)
+    ring = _ring(context)
+    metadata = _ring_metadata([0], [0])
+    assert ring.metadata({"layers.0.ring": metadata, "other": None}) is metadata
+    with pytest.raises(ValueError, match="no entry for layer layers.0.ring"):
+        ring.metadata({})
+    with pytest.raises(TypeError, match="must be CSARingMetadata"):
+        ring.metadata({"layers.0.ring": {}})
+    with pytest.raises(TypeError, match="must be a mapping"):
+        ring.metadata([metadata])
+
+
+def test_ring_update_writes_rows_of_its_block_only():
+    context = {}
+    _main_layer(context)
+    ring = _ring(context, k=0)
+    buffer = torch.full((3 * 24 * 512,), -7.0, dtype=torch.bfloat16)
+    ring.bind_kv_cache(buffer.as_strided((3, 16, 1, 512), (24 * 512, 512, 512, 1)))
+    before = buffer.clone()
+    index_k = torch.randn(4, 256).to(torch.bfloat16)
+    index_z = torch.randn(4, 256).to(torch.bfloat16)
+    summary_cache = torch.full((4, 256), 3.0, dtype=torch.bfloat16)
+    # One request in block 1, positions 17..20 (17 % 16 = 1): rows 24 + 1 .. 24 + 4; no region closes.
+    ring.update(index_k, index_z, summary_cache, _ring_metadata([17, 18, 19, 20], [24] * 4))
+    expected = before.view(-1, 512).clone()
+    expected[25:29] = torch.cat([index_k, index_z], dim=1)
+    assert torch.equal(buffer.view(-1, 512), expected)
+    assert torch.equal(summary_cache, torch.full((4, 256), 3.0, dtype=torch.bfloat16))
+
+
+def test_ring_update_and_builder_need_a_bound_cache():
+    context = {}
+    _main_layer(context)
+    ring = _ring(context)
+    with pytest.raises(ValueError, match="has no cache bound yet"):
+        ring.update(torch.zeros(1, 256), torch.zeros(1, 256), torch.zeros(1, 256), _ring_metadata([0], [0]))
+    with pytest.raises(ValueError, match="has no cache bound yet"):
+        ring.metadata_builder(summary_block_size=4)
+
+
+def test_ring_metadata_builder_carries_rows_per_block():
+    context = {}
+    _main_layer(context)
+    ring = _ring(context)
+    buffer = torch.zeros(3 * 24 * 512, dtype=torch.bfloat16)
+    ring.bind_kv_cache(buffer.as_strided((3, 16, 1, 512), (24 * 512, 512, 512, 1)))
+    builder = ring.metadata_builder(summary_block_size=4)
+    assert isinstance(builder, Step5CSATailRingMetadataBuilder)
+    # Two requests, rings in blocks 2 and 0; request 0 has 3 new tokens at positions 5..7 (7 closes region 0,
+    # summary slot block_table[0, 0] * 4 + 0 = 12), request 1 one token at position 0.
+    metadata = builder.build(
+        query_start_loc=torch.tensor([0, 3, 4]),
+        seq_lens=torch.tensor([8, 1]),
+        ring_blocks=torch.tensor([2, 0]),
+        summary_block_table=torch.tensor([[3], [1]]),
+        num_tokens=6,
+    )
+    assert metadata.ring_base.tolist() == [48, 48, 48, 0, -1, -1]
+    assert metadata.position.tolist() == [5, 6, 7, 0, -1, -1]
+    assert metadata.summary_slot.tolist() == [-1, -1, 12, -1, -1, -1]
+
+
+def test_ring_backend():
+    backend = _ring({}, main="x").get_attn_backend()
+    assert backend is Step5CSATailRingBackend
+    assert backend.get_name() == "STEP5_CSA_TAIL_RING"
+    assert backend.indexes_kv_by_block_stride() is True
+    assert backend.get_kv_cache_shape(5, 16, 1, 512) == (5, 16, 1, 512)
+    assert backend.get_kv_cache_stride_order() == (0, 1, 2, 3)
+    assert backend.get_kv_cache_stride_order(include_num_layers_dimension=True) == (0, 1, 2, 3, 4)
+    assert backend.get_builder_cls() is Step5CSATailRingMetadataBuilder
+    with pytest.raises(NotImplementedError, match="has no attention impl"):
+        backend.get_impl_cls()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# InklingConvState
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _conv_state(context, tp_size=1, dtype=torch.bfloat16, prefix="layers.0.sconv", num_kv_heads=4):
+    # head_dim 16, hidden 128 over 4 KV heads: hph = 32, packed 2*16 + 2*32 = 96 -> D = 128.
+    return InklingConvState(
+        num_kv_heads=num_kv_heads,
+        head_dim=16,
+        hidden_size=128,
+        kernel_size=4,
+        prefix=prefix,
+        tp_size=tp_size,
+        dtype=dtype,
+        static_forward_context=context,
+    )
+
+
+def test_conv_state_geometry():
+    context = {}
+    conv = _conv_state(context, tp_size=2)
+    assert context == {"layers.0.sconv": conv}
+    assert conv.prefix == "layers.0.sconv"
+    assert conv.num_kv_heads == 2  # per rank
+    assert conv.head_size == 128
+    assert conv.stream_ranges == ((0, 16), (16, 16), (32, 32), (64, 32))
+    assert conv.sliding_window == conv.block_size == 4
+    assert conv.kv_cache.numel() == 0
+    assert conv.forward() is None
+    assert conv.get_kv_cache_spec() == SlidingWindowSpec(
+        block_size=4, num_kv_heads=2, head_size=128, head_size_v=0, dtype=torch.bfloat16, sliding_window=4
+    )
+    assert conv.get_kv_cache_spec().page_size_bytes == 2 * 4 * 128 * 2
+
+
+def test_conv_state_guardrails_are_the_seeds_errors():
+    context = {}
+    with pytest.raises(ValueError) as info:
+        _conv_state(context, tp_size=8)
+    assert str(info.value) == "sconv SWA cache supports tp_size <= num_kv_heads (4), got 8"
+    with pytest.raises(ValueError) as info:
+        _conv_state(context, dtype=torch.float16)
+    assert str(info.value) == "sconv SWA cache supports bfloat16 only, got torch.float16"
+    assert context == {}  # rejected layers are not registered
+    _conv_state(context)
+    with pytest.raises(ValueError) as info:
+        _conv_state(context)
+    assert str(info.value) == "Duplicate layer name: layers.0.sconv"
+
+
+def test_sconv_backend():
+    backend = _conv_state({}).get_attn_backend()
+    assert backend is InklingSconvBackend
+    assert backend.get_name() == "INKLING_SCONV_SWA"
+    assert backend.indexes_kv_by_block_stride() is True
+    assert backend.get_kv_cache_shape(7, 32, 2, 128) == (7, 2, 32, 128)
+    assert backend.get_kv_cache_shape(7, 32, 2, 128, cache_dtype_str="auto") == (7, 2, 32, 128)
+    assert backend.get_kv_cache_stride_order() == (0, 1, 2, 3)
+    assert backend.get_kv_cache_stride_order(include_num_layers_dimension=False) == (0, 1, 2, 3)
+    assert backend.get_kv_cache_stride_order(include_num_layers_dimension=True) == (0, 1, 2, 3, 4)
+    with pytest.raises(NotImplementedError) as info:
+        backend.get_impl_cls()
+    assert str(info.value) == "InklingSconvBackend has no attention impl; the conv runs out-of-band."
+    assert backend.get_builder_cls() is InklingSconvMetadataBuilder
+
+
+def test_sconv_metadata_builder_slots():
+    # One request of 6 tokens at positions 0..5, blocks [5, 2] of N = 4: slots 20..23 then 8, 9.
+    metadata = InklingSconvBackend.get_builder_cls()(4).build(
+        query_start_loc=torch.tensor([0, 6]),
+        seq_lens=torch.tensor([6]),
+        block_table=torch.tensor([[5, 2]], dtype=torch.int32),
+        num_tokens=8,
+    )
+    assert metadata.slot_mapping.tolist() == [20, 21, 22, 23, 8, 9, -1, -1]
+    assert metadata.token_position.tolist() == [0, 1, 2, 3, 4, 5, -1, -1]
+
+
+def test_conv_state_bind_reads_n_from_the_cache():
+    context = {}
+    conv = _conv_state(context)
+    with pytest.raises(ValueError, match="has no cache bound yet"):
+        conv.metadata_builder()
+    page = 4 * 32 * 128
+    buffer = torch.zeros(3 * (page + 64), dtype=torch.bfloat16)
+    cache = buffer.as_strided((3, 4, 32, 128), (page + 64, 32 * 128, 128, 1))
+    conv.bind_kv_cache(cache)
+    assert conv.kv_cache is cache
+    assert conv.block_size == 4  # the declared block; the bound N is the cache's
+    assert conv.metadata_builder().block_size == 32
+    with pytest.raises(ValueError, match="block size 2 is smaller than the kernel size 4"):
+        conv.bind_kv_cache(torch.zeros(3, 4, 2, 128, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match=r"must have H = 4 and D = 128"):
+        conv.bind_kv_cache(torch.zeros(3, 4, 4, 64, dtype=torch.bfloat16))
+
+
+def _dense_conv(x_seq: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x + causal depthwise conv(x)`` over a whole sequence ``[L, C]``, in fp32 through nn.functional."""
+    channels, width = weight.shape
+    padded = F.pad(x_seq.float().t().unsqueeze(0), (width - 1, 0))
+    return (F.conv1d(padded, weight.float().unsqueeze(1), groups=channels)[0].t() + x_seq.float()).to(torch.bfloat16)
+
+
+def test_conv_runs_one_stream_at_its_offset():
+    context = {}
+    conv = _conv_state(context)  # H = 4, V stream at [16, 32) of D = 128
+    cache = torch.full((2, 4, 4, 128), -5.0, dtype=torch.bfloat16)
+    conv.bind_kv_cache(cache)
+    before = cache.clone()
+    x = torch.randn(3, 4 * 16).to(torch.bfloat16)
+    weight = torch.randn(4 * 16, 4).to(torch.bfloat16)
+    block_table = torch.tensor([[1]], dtype=torch.int32)
+    metadata = conv.metadata_builder().build(torch.tensor([0, 3]), torch.tensor([3]), block_table, 3)
+    y = conv.conv(InklingStream.V, x, weight, block_table, metadata)
+    torch.testing.assert_close(y, _dense_conv(x, weight), rtol=0, atol=0)
+    expected = before.clone()
+    expected[1, :, 0:3, 16:32] = x.view(3, 4, 16).transpose(0, 1)
+    assert torch.equal(cache, expected)
+    with pytest.raises(ValueError, match=r"K stream input must be \[T, 64\]"):
+        conv.conv(InklingStream.K, x[:, :32], weight, block_table, metadata)
+
+
+def test_conv_needs_a_bound_cache():
+    conv = _conv_state({})
+    with pytest.raises(ValueError, match="has no cache bound yet"):
+        conv.conv(InklingStream.K, torch.zeros(1, 64), torch.zeros(64, 4), torch.zeros(1, 1), None)
