@@ -1,0 +1,25 @@
+"""Whole Step5 and Inkling decoder layers on the stepops cache ops, a step runner and a full recompute.
+
+- :mod:`stepops.models.step5`: :class:`Step5Config`, :class:`Step5DecoderLayer` (sliding-window and CSA
+  layers), :class:`Step5Model`.
+- :mod:`stepops.models.inkling`: :class:`InklingConfig`, :class:`InklingDecoderLayer`, :class:`InklingModel`.
+- :mod:`stepops.models.metadata`: the step's fixed-size buffers and the on-device metadata builders.
+- :mod:`stepops.models.runner`: :class:`StepRunner` (eager, compiled, CUDA graphs) and the scripted workload.
+- :mod:`stepops.models.reference`: the no-cache full recompute the incremental layers are checked against.
+"""
+
+from stepops.models.inkling import InklingConfig, InklingDecoderLayer, InklingModel
+from stepops.models.metadata import InklingStepMetadata, Step5StepMetadata, StepBuffers
+from stepops.models.step5 import Step5Config, Step5DecoderLayer, Step5Model
+
+__all__ = [
+    "InklingConfig",
+    "InklingDecoderLayer",
+    "InklingModel",
+    "InklingStepMetadata",
+    "Step5Config",
+    "Step5DecoderLayer",
+    "Step5Model",
+    "Step5StepMetadata",
+    "StepBuffers",
+]

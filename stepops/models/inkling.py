@@ -1,0 +1,181 @@
+"""Inkling decoder layers on the stepops cache ops.
+
+A layer step takes the step's flattened hidden states ``[T, hidden]`` bf16 and its
+:class:`InklingStepMetadata` and returns ``[T, hidden]``:
+
+    h = RMSNorm(x);  q, k, v = q_proj(h), k_proj(h), v_proj(h)
+    k = sconv_K(k);  v = sconv_V(v)                  (short convs before the q/k norm)
+    q, k = RMSNorm_q(q), RMSNorm_k(k) per head;  rope(q, k)
+    paged_kv_write(k, v -> this layer's KV cache);  GQA attention, causal, sliding-window or global
+    x = x + sconv_ATTN(o_proj(attn))
+    x = x + sconv_MLP(SwiGLU(RMSNorm(x)))
+
+Each short conv is ``stepops::sconv`` (width ``W``, its own residual, fp32, rounded once) on its stream's
+range of the layer's one conv-state cache (:class:`stepops.owners.InklingConvState`); the attention KV
+cache is a :class:`stepops.owners.PagedAttentionLayer`. Both are allocated and bound by
+:func:`stepops.allocator.allocate_kv_caches`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import MutableMapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from stepops.allocator import KVCaches, allocate_kv_caches
+from stepops.layouts import InklingStream
+from stepops.models.layers import RMSNorm, SwiGLU, gather_paged_keys, masked_attention, rope_neox
+from stepops.models.metadata import InklingStepMetadata, StepBuffers, build_inkling_metadata
+from stepops.ops.paged_kv_write import paged_kv_write
+from stepops.owners import InklingConvState, PagedAttentionLayer
+
+SLIDING = "sliding"
+GLOBAL = "global"
+
+
+@dataclass(frozen=True)
+class InklingConfig:
+    """Inkling decoder numbers; the default is tiny (CPU tests)."""
+
+    hidden_size: int = 64
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 16
+    intermediate_size: int = 128
+    conv_kernel_size: int = 4
+    sliding_window: int = 16
+    block_size: int = 16
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    layer_types: tuple[str, ...] = field(default=(SLIDING, GLOBAL))
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+        if self.hidden_size % self.num_kv_heads:
+            raise ValueError(f"hidden_size ({self.hidden_size}) must split over num_kv_heads ({self.num_kv_heads})")
+        if any(kind not in (SLIDING, GLOBAL) for kind in self.layer_types):
+            raise ValueError(f"layer_types must be {SLIDING!r} or {GLOBAL!r}, got {self.layer_types}")
+
+
+class InklingDecoderLayer(nn.Module):
+    """One Inkling decoder layer; ``config.layer_types[layer_index]`` picks sliding-window or global.
+
+    Registers ``{prefix}.attn`` (paged KV cache) and ``{prefix}.conv_state`` (the four conv streams) in
+    ``static_forward_context``. Run under ``torch.inference_mode()``.
+    """
+
+    def __init__(
+        self,
+        config: InklingConfig,
+        layer_index: int,
+        *,
+        static_forward_context: MutableMapping[str, Any],
+        prefix: str | None = None,
+        dtype: torch.dtype = torch.bfloat16,
+    ) -> None:
+        super().__init__()
+        c = config
+        self.config = c
+        self.kind = c.layer_types[layer_index]
+        prefix = prefix or f"layers.{layer_index}"
+        kv_width = c.num_kv_heads * c.head_dim
+        self.input_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.q_proj = nn.Linear(c.hidden_size, c.num_heads * c.head_dim, bias=False, dtype=dtype)
+        self.k_proj = nn.Linear(c.hidden_size, kv_width, bias=False, dtype=dtype)
+        self.v_proj = nn.Linear(c.hidden_size, kv_width, bias=False, dtype=dtype)
+        self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
+        self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
+        self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=False, dtype=dtype)
+        self.post_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.mlp = SwiGLU(c.hidden_size, c.intermediate_size).to(dtype)
+        # Depthwise conv weights [channels, W] (nn.Conv1d's [C, 1, W] squeezed), one per stream.
+        w = c.conv_kernel_size
+        self.conv_k = nn.Parameter(torch.randn(kv_width, w, dtype=dtype) * 0.3)
+        self.conv_v = nn.Parameter(torch.randn(kv_width, w, dtype=dtype) * 0.3)
+        self.conv_attn = nn.Parameter(torch.randn(c.hidden_size, w, dtype=dtype) * 0.3)
+        self.conv_mlp = nn.Parameter(torch.randn(c.hidden_size, w, dtype=dtype) * 0.3)
+        self.attn = PagedAttentionLayer(
+            prefix=f"{prefix}.attn",
+            num_kv_heads=c.num_kv_heads,
+            head_size=c.head_dim,
+            block_size=c.block_size,
+            static_forward_context=static_forward_context,
+            sliding_window=c.sliding_window if self.kind == SLIDING else None,
+        )
+        self.conv_state = InklingConvState(
+            num_kv_heads=c.num_kv_heads,
+            head_dim=c.head_dim,
+            hidden_size=c.hidden_size,
+            kernel_size=c.conv_kernel_size,
+            prefix=f"{prefix}.conv_state",
+            static_forward_context=static_forward_context,
+        )
+
+    def forward(self, hidden: torch.Tensor, metadata: InklingStepMetadata) -> torch.Tensor:
+        """``hidden [T, hidden_size]`` bf16 -> ``[T, hidden_size]`` bf16; writes this layer's caches."""
+        c = self.config
+        num_tokens = hidden.shape[0]
+        position = metadata.token.position
+        conv, table, sconv_meta = self.conv_state.conv, metadata.conv_block_table, metadata.sconv
+        h = self.input_norm(hidden)
+        q = self.q_proj(h).view(num_tokens, c.num_heads, c.head_dim)
+        k = conv(InklingStream.K, self.k_proj(h), self.conv_k, table, sconv_meta)
+        v = conv(InklingStream.V, self.v_proj(h), self.conv_v, table, sconv_meta)
+        q = rope_neox(self.q_norm(q), position, c.head_dim, c.rope_theta)
+        k = rope_neox(self.k_norm(k.view(num_tokens, c.num_kv_heads, c.head_dim)), position, c.head_dim, c.rope_theta)
+        v = v.view(num_tokens, c.num_kv_heads, c.head_dim)
+        kv_cache = self.attn.kv_cache
+        paged_kv_write(k, v, kv_cache[..., : c.head_dim], kv_cache[..., c.head_dim :], metadata.attn_slot_mapping)
+        keys = gather_paged_keys(kv_cache, c.head_dim, metadata.attn_block_table, metadata.token)
+        allowed = keys.causal
+        if self.kind == SLIDING:
+            key_position = torch.arange(allowed.shape[1], device=hidden.device)
+            allowed = allowed & (key_position[None, :] > position.long()[:, None] - c.sliding_window)
+        attn = masked_attention(q, keys.key, keys.value, allowed, c.head_dim**-0.5)
+        hidden = hidden + conv(InklingStream.ATTN_OUT, self.o_proj(attn.flatten(1)), self.conv_attn, table, sconv_meta)
+        mlp = self.mlp(self.post_norm(hidden))
+        return hidden + conv(InklingStream.MLP_OUT, mlp, self.conv_mlp, table, sconv_meta)
+
+
+class InklingModel(nn.Module):
+    """A stack of :class:`InklingDecoderLayer` with its forward context (the layers' cache owners)."""
+
+    def __init__(self, config: InklingConfig = InklingConfig(), *, dtype: torch.dtype = torch.bfloat16) -> None:
+        super().__init__()
+        self.config = config
+        self.static_forward_context: dict[str, Any] = {}
+        self.layers = nn.ModuleList(
+            InklingDecoderLayer(config, i, static_forward_context=self.static_forward_context, dtype=dtype)
+            for i in range(len(config.layer_types))
+        )
+
+    def allocate_caches(self, num_blocks: int, device: torch.device | str) -> KVCaches:
+        """Allocate and bind every layer's own KV cache and conv-state cache (``num_blocks`` blocks each)."""
+        return allocate_kv_caches(self.static_forward_context, num_blocks, device=device)
+
+    def cache_tensors(self) -> list[torch.Tensor]:
+        """Every cache a step writes."""
+        return [t for layer in self.layers for t in (layer.attn.kv_cache, layer.conv_state.kv_cache)]
+
+    @property
+    def attn_block_size(self) -> int:
+        return self.layers[0].attn.kv_cache.shape[1]
+
+    @property
+    def conv_block_size(self) -> int:
+        return self.layers[0].conv_state.kv_cache.shape[2]
+
+    def build_metadata(self, buffers: StepBuffers, num_tokens: int) -> InklingStepMetadata:
+        return build_inkling_metadata(
+            buffers, num_tokens, attn_block_size=self.attn_block_size, conv_block_size=self.conv_block_size
+        )
+
+    def forward(self, hidden: torch.Tensor, buffers: StepBuffers) -> torch.Tensor:
+        metadata = self.build_metadata(buffers, hidden.shape[0])
+        for layer in self.layers:
+            hidden = layer(hidden, metadata)
+        return hidden

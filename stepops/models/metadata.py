@@ -1,0 +1,130 @@
+"""Per-step metadata of the decoder layers, built on the device from fixed-size buffers (no host sync).
+
+The runner fills :class:`StepBuffers` on the host side of each step (a copy into fixed device buffers);
+everything per token is derived from them on the device by :func:`build_step5_metadata` /
+:func:`build_inkling_metadata`, whose output sizes depend only on the padded token count ``T`` and the
+buffers' fixed widths. That is what lets a whole step, metadata included, compile to one graph and
+capture into a CUDA graph.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from stepops._meta.csa_ring_update import REGION_SIZE
+from stepops.ops.csa_ring_update import CSARingMetadata, build_csa_ring_metadata
+from stepops.ops.sconv import SconvMetadata, build_sconv_metadata
+from stepops.ops.step_metadata import TokenMetadata, build_token_metadata
+
+
+class StepBuffers(NamedTuple):
+    """One step's scheduling, in fixed-size int32 device buffers (``R`` = the runner's request slots).
+
+    ``query_start_loc [R + 1]`` (scheduled requests first; unused entries repeat the total),
+    ``seq_lens [R]`` (tokens of each request after the step; 0 for unused rows),
+    ``attn_block_table [R, max_blocks]`` (every attention layer's KV cache),
+    ``ring_blocks [R]`` (Step5: each request's CSA ring block), ``summary_block_table [R, max_summary_blocks]``
+    (Step5: region summaries), ``conv_block_table [R, max_conv_blocks]`` (Inkling: the conv-state cache).
+    A model ignores the tables it does not use.
+    """
+
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    attn_block_table: torch.Tensor
+    ring_blocks: torch.Tensor
+    summary_block_table: torch.Tensor
+    conv_block_table: torch.Tensor
+
+
+def paged_slot_mapping(token: TokenMetadata, block_table: torch.Tensor, block_size: int) -> torch.Tensor:
+    """``[T]`` int32: ``block_table[r, p // N] * N + p % N`` for a token at position ``p`` of request ``r``;
+    ``-1`` for padding. Positions past the table are clamped into it (the runner sizes tables so none is)."""
+    real = token.position >= 0
+    request = token.request.long().clamp(min=0)
+    position = token.position.long().clamp(min=0)
+    column = (position // block_size).clamp(max=block_table.shape[1] - 1)
+    slot = block_table.long()[request, column] * block_size + position % block_size
+    return torch.where(real, slot, -1).to(torch.int32)
+
+
+class Step5StepMetadata(NamedTuple):
+    """Everything a Step5 decoder layer reads per step; every tensor's first dim is ``T``.
+
+    ``attn_slot_mapping [T]`` and ``attn_block_table [R, max_blocks]`` address the paged KV caches;
+    ``ring`` is the CSA tail ring's :class:`CSARingMetadata`; ``summary_slots [T, num_regions]`` int64 is
+    the summary-cache row of each region ``0..num_regions-1`` of the token's request (``num_regions =
+    max_blocks * N / 8``; a region not yet summarised points at a stale row that the layer masks out).
+    """
+
+    token: TokenMetadata
+    attn_slot_mapping: torch.Tensor
+    attn_block_table: torch.Tensor
+    ring: CSARingMetadata
+    summary_slots: torch.Tensor
+
+
+def build_step5_metadata(
+    buffers: StepBuffers,
+    num_tokens: int,
+    *,
+    attn_block_size: int,
+    rows_per_block: int,
+    summary_block_size: int,
+) -> Step5StepMetadata:
+    """Derive a Step5 step's metadata from ``buffers`` on their device, for ``num_tokens`` (padded) tokens."""
+    token = build_token_metadata(buffers.query_start_loc, buffers.seq_lens, num_tokens)
+    ring = build_csa_ring_metadata(
+        buffers.query_start_loc,
+        buffers.seq_lens,
+        buffers.ring_blocks,
+        rows_per_block,
+        buffers.summary_block_table,
+        summary_block_size,
+        num_tokens,
+    )
+    num_regions = buffers.attn_block_table.shape[1] * attn_block_size // REGION_SIZE
+    region = torch.arange(num_regions, device=buffers.query_start_loc.device)
+    column = (region // summary_block_size).clamp(max=buffers.summary_block_table.shape[1] - 1)
+    table = buffers.summary_block_table.long().clamp(min=0)
+    request_slots = table[:, column] * summary_block_size + region % summary_block_size  # [R, num_regions]
+    summary_slots = request_slots[token.request.long().clamp(min=0)]
+    return Step5StepMetadata(
+        token=token,
+        attn_slot_mapping=paged_slot_mapping(token, buffers.attn_block_table, attn_block_size),
+        attn_block_table=buffers.attn_block_table,
+        ring=ring,
+        summary_slots=summary_slots,
+    )
+
+
+class InklingStepMetadata(NamedTuple):
+    """Everything an Inkling decoder layer reads per step.
+
+    ``attn_slot_mapping [T]`` and ``attn_block_table`` address the paged KV caches; ``sconv`` is the
+    short-conv op's :class:`SconvMetadata` over ``conv_block_table [R, max_conv_blocks]``.
+    """
+
+    token: TokenMetadata
+    attn_slot_mapping: torch.Tensor
+    attn_block_table: torch.Tensor
+    sconv: SconvMetadata
+    conv_block_table: torch.Tensor
+
+
+def build_inkling_metadata(
+    buffers: StepBuffers, num_tokens: int, *, attn_block_size: int, conv_block_size: int
+) -> InklingStepMetadata:
+    """Derive an Inkling step's metadata from ``buffers`` on their device, for ``num_tokens`` tokens."""
+    token = build_token_metadata(buffers.query_start_loc, buffers.seq_lens, num_tokens)
+    sconv = build_sconv_metadata(
+        buffers.query_start_loc, buffers.seq_lens, buffers.conv_block_table, conv_block_size, num_tokens
+    )
+    return InklingStepMetadata(
+        token=token,
+        attn_slot_mapping=paged_slot_mapping(token, buffers.attn_block_table, attn_block_size),
+        attn_block_table=buffers.attn_block_table,
+        sconv=sconv,
+        conv_block_table=buffers.conv_block_table,
+    )

@@ -1,0 +1,295 @@
+"""A small step runner: caches, fixed-size step buffers, chunked prefill, decode and speculative verify.
+
+:class:`StepRunner` owns one model's caches (each layer its own, through the allocator), a fixed set of
+device buffers (:class:`StepBuffers` and a ``[max_tokens, hidden]`` input buffer) and the step function,
+run eagerly, compiled (``torch.compile(fullgraph=True)``, one graph for every padded size ``T >= 2``) or
+replayed from CUDA graphs (one per capture size). Each step pads its token count up to a capture size
+(padding tokens carry ``-1`` and write nothing) and copies the schedule into the fixed buffers; the model
+derives every per-token tensor on the device.
+
+:func:`run_workload` drives many requests through prefill chunks, plain decode and verify steps with
+random rejections. Rollback needs no undo: the next step's positions count only accepted tokens, so it
+rewrites whatever a rejected draft left in the caches.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from stepops.models.inkling import InklingModel
+from stepops.models.metadata import StepBuffers
+from stepops.models.step5 import Step5Model
+
+EAGER, COMPILED, CUDA_GRAPH = "eager", "compiled", "cudagraph"
+
+
+@dataclass(frozen=True)
+class ScheduledRequest:
+    """One request's share of a step: ``inputs [n, hidden]`` at positions ``start .. start + n - 1``."""
+
+    slot: int  # the runner's request slot (its block-table row)
+    start: int
+    inputs: torch.Tensor
+
+
+def capture_sizes_for(max_tokens: int) -> tuple[int, ...]:
+    """Padded step sizes: powers of two from 2 up to ``max_tokens`` (and ``max_tokens`` itself).
+
+    The smallest is 2, not 1: Dynamo specialises a size of 1, so a ``T = 1`` step would compile a second
+    graph; padding a lone decode token to 2 keeps every step on one graph.
+    """
+    sizes, size = [], 2
+    while size < max_tokens:
+        sizes.append(size)
+        size *= 2
+    return tuple(sizes) + (max(max_tokens, 2),)
+
+
+class StepRunner:
+    """Runs steps of ``model`` over ``max_requests`` request slots of up to ``max_model_len`` tokens.
+
+    ``mode``: ``"eager"``, ``"compiled"`` (``torch.compile(fullgraph=True)``; ``compile_backend`` picks the
+    backend) or ``"cudagraph"`` (CUDA only: one ``torch.cuda.CUDAGraph`` per capture size, captured from
+    padding-only steps, which write nothing). Every cache block is handed out once, in a seeded random
+    order, so block tables are not the identity.
+    """
+
+    def __init__(
+        self,
+        model: Step5Model | InklingModel,
+        *,
+        max_requests: int,
+        max_model_len: int,
+        max_tokens: int,
+        device: torch.device | str,
+        mode: str = EAGER,
+        compile_backend: str = "inductor",
+        seed: int = 0,
+    ) -> None:
+        if mode not in (EAGER, COMPILED, CUDA_GRAPH):
+            raise ValueError(f"mode must be {EAGER!r}, {COMPILED!r} or {CUDA_GRAPH!r}, got {mode!r}")
+        if mode == CUDA_GRAPH and torch.device(device).type != "cuda":
+            raise ValueError("CUDA-graph mode needs a CUDA device")
+        self.model = model
+        self.device = torch.device(device)
+        self.mode = mode
+        self.max_requests = max_requests
+        self.max_model_len = max_model_len
+        self.capture_sizes = capture_sizes_for(max_tokens)
+        gen = torch.Generator().manual_seed(seed)
+
+        # The page unifier only ever enlarges block sizes, so sizing the pool by the declared (smallest)
+        # block sizes is enough; the tables below use the bound caches' actual sizes.
+        declared = [model.config.block_size] + [getattr(model.config, "conv_kernel_size", model.config.block_size)]
+        num_blocks = max_requests * -(-max_model_len // min(declared))
+        summary_blocks = 1
+        if isinstance(model, Step5Model):
+            summary_blocks = -(-(max_model_len // 8 + 1) // model.summary_block_size)
+            model.allocate_caches(num_blocks, max_requests * summary_blocks, self.device)
+            conv_blocks = 1
+        else:
+            model.allocate_caches(num_blocks, self.device)
+            conv_blocks = -(-max_model_len // model.conv_block_size)
+        attn_blocks = -(-max_model_len // model.attn_block_size)
+        self._tables = {
+            "attn": torch.randperm(num_blocks, generator=gen)[: max_requests * attn_blocks].view(max_requests, attn_blocks),
+            "ring": torch.randperm(num_blocks, generator=gen)[:max_requests],
+            "summary": torch.randperm(max_requests * summary_blocks, generator=gen).view(max_requests, summary_blocks),
+            "conv": torch.randperm(num_blocks, generator=gen)[: max_requests * conv_blocks].view(max_requests, conv_blocks),
+        }
+        i32 = dict(dtype=torch.int32, device=self.device)
+        self.buffers = StepBuffers(
+            query_start_loc=torch.zeros(max_requests + 1, **i32),
+            seq_lens=torch.zeros(max_requests, **i32),
+            attn_block_table=torch.full((max_requests, attn_blocks), -1, **i32),
+            ring_blocks=torch.full((max_requests,), -1, **i32),
+            summary_block_table=torch.full((max_requests, summary_blocks), -1, **i32),
+            conv_block_table=torch.full((max_requests, conv_blocks), -1, **i32),
+        )
+        hidden = model.config.hidden_size
+        self.hidden = torch.zeros(self.capture_sizes[-1], hidden, dtype=torch.bfloat16, device=self.device)
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._compiled: Callable[..., torch.Tensor] | None = None
+        if mode == COMPILED:
+            self._compiled = torch.compile(model, backend=compile_backend, fullgraph=True)
+        self.steps = 0
+        self.tokens = 0
+
+    # -- one step ---------------------------------------------------------------------------------------
+
+    def padded_size(self, num_tokens: int) -> int:
+        for size in self.capture_sizes:
+            if size >= num_tokens:
+                return size
+        raise ValueError(f"a step of {num_tokens} tokens exceeds the largest capture size {self.capture_sizes[-1]}")
+
+    def _fill_buffers(self, batch: Sequence[ScheduledRequest]) -> int:
+        """Copy the schedule into the fixed device buffers; return the real token count."""
+        r = self.max_requests
+        if len(batch) > r:
+            raise ValueError(f"{len(batch)} requests in one step; the runner has {r} slots")
+        lens = [len(s.inputs) for s in batch]
+        total = sum(lens)
+        qsl = torch.full((r + 1,), total, dtype=torch.int32)
+        qsl[: len(batch) + 1] = torch.tensor([0] + lens, dtype=torch.int32).cumsum(0)
+        seq_lens = torch.zeros(r, dtype=torch.int32)
+        slots = torch.tensor([s.slot for s in batch], dtype=torch.long)
+        for i, s in enumerate(batch):
+            if s.start + lens[i] > self.max_model_len:
+                raise ValueError(f"request slot {s.slot} would grow past max_model_len {self.max_model_len}")
+            seq_lens[i] = s.start + lens[i]
+        tables = {}
+        for name, table in self._tables.items():
+            rows = torch.full((r, *table.shape[1:]), -1, dtype=torch.int32)
+            rows[: len(batch)] = table[slots]
+            tables[name] = rows
+        b = self.buffers
+        b.query_start_loc.copy_(qsl)
+        b.seq_lens.copy_(seq_lens)
+        b.attn_block_table.copy_(tables["attn"])
+        b.ring_blocks.copy_(tables["ring"])
+        b.summary_block_table.copy_(tables["summary"])
+        b.conv_block_table.copy_(tables["conv"])
+        self.hidden.zero_()
+        if batch:
+            self.hidden[:total].copy_(torch.cat([s.inputs for s in batch]).to(self.device))
+        return total
+
+    def _run(self, size: int) -> torch.Tensor:
+        hidden = self.hidden[:size]
+        if self.mode == CUDA_GRAPH:
+            graph, out = self._graphs[size]
+            graph.replay()
+            return out
+        fn = self._compiled if self._compiled is not None else self.model
+        with torch.inference_mode():
+            return fn(hidden, self.buffers)
+
+    def step(self, batch: Sequence[ScheduledRequest]) -> list[torch.Tensor]:
+        """Run one step; return each scheduled request's outputs ``[n, hidden]`` (on the device)."""
+        total = self._fill_buffers(batch)
+        out = self._run(self.padded_size(total))
+        self.steps += 1
+        self.tokens += total
+        starts = [0]
+        for s in batch:
+            starts.append(starts[-1] + len(s.inputs))
+        return [out[starts[i] : starts[i + 1]].clone() for i in range(len(batch))]
+
+    def warm_up(self, progress: Callable[[str], None] | None = None) -> None:
+        """Compile (or capture) every capture size with padding-only steps, which write nothing."""
+        for size in self.capture_sizes:
+            if progress:
+                progress(f"{self.mode}: T = {size}")
+            self._fill_buffers([])
+            if self.mode == CUDA_GRAPH:
+                self._capture(size)
+            else:
+                self._run(size)
+
+    def _capture(self, size: int) -> None:
+        hidden = self.hidden[:size]
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream), torch.inference_mode():
+            self.model(hidden, self.buffers)  # warm-up outside capture (allocator, Triton autotune-free JIT)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph), torch.inference_mode():
+            out = self.model(hidden, self.buffers)
+        self._graphs[size] = (graph, out)
+
+
+# -- the scripted workload ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Workload:
+    """Requests with prompts of ``prompt_lens`` that then generate ``decode_lens`` tokens each.
+
+    Per step: prompts are chunked into the ``token_budget``; a decoding request alternates plain decode
+    (one token) and verify steps of ``1 + num_speculative_tokens`` tokens with a random number of accepted
+    drafts (rejected drafts carry garbage inputs). Seeded.
+    """
+
+    prompt_lens: tuple[int, ...] = (21, 9, 35, 14, 3)
+    decode_lens: tuple[int, ...] = (12, 18, 9, 15, 20)
+    num_speculative_tokens: int = 3
+    token_budget: int = 24
+    seed: int = 0
+
+    @property
+    def max_len(self) -> int:
+        return max(p + d for p, d in zip(self.prompt_lens, self.decode_lens)) + self.num_speculative_tokens
+
+
+@dataclass
+class WorkloadResult:
+    """Each request's true inputs ``[L, hidden]`` and committed outputs ``[L, hidden]`` (CPU)."""
+
+    inputs: list[torch.Tensor]
+    outputs: list[torch.Tensor]
+    steps: int = 0
+    tokens: int = 0
+    seconds: float = 0.0
+    verify_steps: int = 0
+    rejected_tokens: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+def run_workload(runner: StepRunner, workload: Workload, hidden_size: int) -> WorkloadResult:
+    """Drive ``workload`` through ``runner``; return committed outputs per request."""
+    rng = random.Random(workload.seed)
+    gen = torch.Generator().manual_seed(workload.seed)
+    n = len(workload.prompt_lens)
+    lengths = [p + d for p, d in zip(workload.prompt_lens, workload.decode_lens)]
+    inputs = [torch.randn(length, hidden_size, generator=gen).to(torch.bfloat16) for length in lengths]
+    outputs = [torch.full((length, hidden_size), float("nan"), dtype=torch.bfloat16) for length in lengths]
+    committed = [0] * n
+    decode_turn = [0] * n
+    result = WorkloadResult(inputs, outputs)
+    start_time = time.perf_counter()
+    steps_before, tokens_before = runner.steps, runner.tokens
+    while any(committed[i] < lengths[i] for i in range(n)):
+        budget = workload.token_budget
+        batch, plans = [], []
+        for i in range(n):
+            if committed[i] >= lengths[i] or budget == 0 or len(batch) == runner.max_requests:
+                continue
+            c = committed[i]
+            if c < workload.prompt_lens[i]:
+                count = min(workload.prompt_lens[i] - c, budget)
+                rows, commit = inputs[i][c : c + count], count
+            else:
+                verify = decode_turn[i] % 2 == 1
+                decode_turn[i] += 1
+                drafts = min(workload.num_speculative_tokens, budget - 1) if verify else 0
+                accepted = rng.randint(0, drafts)
+                count = 1 + drafts
+                commit = min(1 + accepted, lengths[i] - c)
+                truth = inputs[i][c : min(c + count, lengths[i])]
+                garbage = torch.randn(count, hidden_size, generator=gen).to(torch.bfloat16)
+                rows = torch.cat([truth[: 1 + accepted], garbage[1 + accepted :]])[:count]
+                if rows.shape[0] < count:  # drafts past the request's end: pad with garbage
+                    rows = torch.cat([rows, garbage[rows.shape[0] :]])
+                if verify:
+                    result.verify_steps += 1
+                    result.rejected_tokens += count - commit
+            budget -= count
+            batch.append(ScheduledRequest(i, c, rows))
+            plans.append((i, c, commit))
+        outs = runner.step(batch)
+        for (i, c, commit), out in zip(plans, outs):
+            outputs[i][c : c + commit] = out[:commit].cpu()
+            committed[i] = c + commit
+    if runner.device.type == "cuda":
+        torch.cuda.synchronize()
+    result.seconds = time.perf_counter() - start_time
+    result.steps = runner.steps - steps_before
+    result.tokens = runner.tokens - tokens_before
+    return result
