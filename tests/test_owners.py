@@ -399,10 +399,14 @@ def test_conv_state_bind_reads_n_from_the_cache():
 
 
 def _dense_conv(x_seq: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``x + causal depthwise conv(x)`` over a whole sequence ``[L, C]``, in fp32 through nn.functional."""
-    channels, width = weight.shape
-    padded = F.pad(x_seq.float().t().unsqueeze(0), (width - 1, 0))
-    return (F.conv1d(padded, weight.float().unsqueeze(1), groups=channels)[0].t() + x_seq.float()).to(torch.bfloat16)
+    """``x + sum_j w[:, j] * x[t - (W-1) + j]`` over a whole sequence ``[L, C]`` in fp32, taps before 0 zero."""
+    width = weight.shape[1]
+    x32 = x_seq.float()
+    padded = F.pad(x32, (0, 0, width - 1, 0))
+    acc = torch.zeros_like(x32)
+    for j in range(width):
+        acc = acc + weight.float()[:, j] * padded[j : j + x32.shape[0]]
+    return (acc + x32).to(torch.bfloat16)
 
 
 def test_conv_runs_one_stream_at_its_offset():
@@ -416,15 +420,76 @@ def test_conv_runs_one_stream_at_its_offset():
     block_table = torch.tensor([[1]], dtype=torch.int32)
     metadata = conv.metadata_builder().build(torch.tensor([0, 3]), torch.tensor([3]), block_table, 3)
     y = conv.conv(InklingStream.V, x, weight, block_table, metadata)
-    torch.testing.assert_close(y, _dense_conv(x, weight), rtol=0, atol=0)
+    assert torch.equal(y, _dense_conv(x, weight))
     expected = before.clone()
     expected[1, :, 0:3, 16:32] = x.view(3, 4, 16).transpose(0, 1)
     assert torch.equal(cache, expected)
     with pytest.raises(ValueError, match=r"K stream input must be \[T, 64\]"):
         conv.conv(InklingStream.K, x[:, :32], weight, block_table, metadata)
+    with pytest.raises(TypeError, match="stream must be an InklingStream, got 1"):
+        conv.conv(1, x, weight, block_table, metadata)
 
 
 def test_conv_needs_a_bound_cache():
     conv = _conv_state({})
     with pytest.raises(ValueError, match="has no cache bound yet"):
         conv.conv(InklingStream.K, torch.zeros(1, 64), torch.zeros(64, 4), torch.zeros(1, 1), None)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Under torch.compile(fullgraph=True): the owners' op calls trace without graph breaks and mutate in place
+# ---------------------------------------------------------------------------------------------------------
+
+
+def test_conv_compiles_fullgraph_on_a_strided_cache():
+    context = {}
+    conv = _conv_state(context)
+    page = 4 * 4 * 128
+    buffer = torch.zeros(3 * (page + 512), dtype=torch.bfloat16)
+    conv.bind_kv_cache(buffer.as_strided((3, 4, 4, 128), (page + 512, 4 * 128, 128, 1)))
+    block_table = torch.tensor([[2, 0]], dtype=torch.int32)
+    metadata = conv.metadata_builder().build(torch.tensor([0, 6]), torch.tensor([6]), block_table, 7)
+    x = torch.randn(7, 4 * 32).to(torch.bfloat16)
+    weight = torch.randn(4 * 32, 4).to(torch.bfloat16)
+
+    def step(x):
+        return conv.conv(InklingStream.ATTN_OUT, x, weight, block_table, metadata)
+
+    eager = step(x)
+    eager_buffer = buffer.clone()
+    buffer.zero_()
+    with torch.no_grad():
+        compiled = torch.compile(step, fullgraph=True, backend="inductor")(x)
+    assert torch.equal(compiled, eager)
+    assert torch.equal(buffer, eager_buffer)
+
+
+def test_ring_update_compiles_fullgraph_on_a_strided_ring():
+    context = {}
+    _main_layer(context)
+    ring = _ring(context, k=2)
+    buffer = torch.zeros(3 * 24 * 512, dtype=torch.bfloat16)
+    ring.bind_kv_cache(buffer.as_strided((3, 16, 1, 512), (24 * 512, 512, 512, 1)))
+    metadata = ring.metadata_builder(summary_block_size=4).build(
+        query_start_loc=torch.tensor([0, 10]),
+        seq_lens=torch.tensor([10]),
+        ring_blocks=torch.tensor([1]),
+        summary_block_table=torch.tensor([[1]]),
+        num_tokens=12,
+    )
+    index_k = torch.randn(12, 256).to(torch.bfloat16)
+    index_z = torch.randn(12, 256).to(torch.bfloat16)
+    summaries = torch.zeros(8, 256, dtype=torch.bfloat16)
+
+    def step(index_k, index_z):
+        ring.update(index_k, index_z, summaries, metadata)
+
+    step(index_k, index_z)
+    eager_summaries, eager_buffer = summaries.clone(), buffer.clone()
+    assert eager_summaries[4].ne(0).all()  # position 7 closed region 0 into slot 1 * 4 + 0
+    summaries.zero_()
+    buffer.zero_()
+    with torch.no_grad():
+        torch.compile(step, fullgraph=True, backend="aot_eager")(index_k, index_z)
+    assert torch.equal(summaries, eager_summaries)
+    assert torch.equal(buffer, eager_buffer)

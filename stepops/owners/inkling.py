@@ -165,11 +165,14 @@ class InklingConvState(nn.Module):
         (see :func:`stepops.sconv`)."""
         if self.kv_cache.dim() != 4:
             raise ValueError(f"Inkling conv state {self.prefix} has no cache bound yet")
-        offset, width = self.layout.stream_range(stream)
+        # isinstance and .value, not InklingStream(stream) or an IntEnum index: Dynamo (torch 2.13) recurses
+        # without end on both.
+        if not isinstance(stream, InklingStream):
+            raise TypeError(f"stream must be an InklingStream, got {stream!r}")
+        offset, width = self.stream_ranges[stream.value]
         if x.dim() != 2 or x.shape[1] != self.num_kv_heads * width:
             raise ValueError(
-                f"{InklingStream(stream).name} stream input must be [T, {self.num_kv_heads * width}] "
-                f"(H * width), got {tuple(x.shape)}"
+                f"{stream.name} stream input must be [T, {self.num_kv_heads * width}] (H * width), got {tuple(x.shape)}"
             )
         return sconv(
             x, weight, self.kv_cache, block_table, metadata, offset, residual=residual, silu=silu, validate=validate
