@@ -146,8 +146,11 @@ def _csa_ring_update_kernel(
     P: tl.constexpr,
     BLOCK_P: tl.constexpr,
     FP8_SUMMARY: tl.constexpr,
+    REVERSE_GRID: tl.constexpr,
 ):
     t = tl.program_id(0)
+    if REVERSE_GRID:
+        t = tl.num_programs(0) - 1 - t
     position = tl.load(position_ptr + t)
     chunk_start = tl.load(chunk_start_ptr + t)
     chunk_len = tl.load(chunk_len_ptr + t)
@@ -172,28 +175,30 @@ def _csa_ring_update_kernel(
     slot = tl.where(is_leader, ring_replay_slot, own_slot)
 
     d = tl.arange(0, BLOCK_P)
-    m, a = _load_region_row(
-        index_k_ptr, index_z_ptr, ring_ptr, stride_k0, stride_k1, stride_z0, stride_z1, stride_ring0,
-        stride_ring1, capacity, P, target, target_position, chunk_start, ring_base, 0, d, replay,
-    )  # fmt: skip
-    s = tl.full([BLOCK_P], 1.0, dtype=tl.float32)
-    for j in tl.static_range(1, REGION_SIZE):
-        z, k = _load_region_row(
+    # A scalar branch: uniform across the program, and it spares the interpreter the work of masked lanes.
+    if replay:
+        m, a = _load_region_row(
             index_k_ptr, index_z_ptr, ring_ptr, stride_k0, stride_k1, stride_z0, stride_z1, stride_ring0,
-            stride_ring1, capacity, P, target, target_position, chunk_start, ring_base, j, d, replay,
+            stride_ring1, capacity, P, target, target_position, chunk_start, ring_base, 0, d, replay,
         )  # fmt: skip
-        m_new = tl.maximum(m, z)
-        alpha = _exp_fp32(m - m_new)
-        beta = _exp_fp32(z - m_new)
-        s = s * alpha + beta
-        a = a * alpha + beta * k
-        m = m_new
-    summary = _round_to_bf16(tl.math.div_rn(a, s))
-    summary_offsets = slot.to(tl.int64) * stride_summary0 + d * stride_summary1
-    if FP8_SUMMARY:
-        tl.store(summary_ptr + summary_offsets, _fp8_e4m3_code(summary), mask=_lanes(d, P, replay))
-    else:
-        tl.store(summary_ptr + summary_offsets, summary.to(tl.bfloat16), mask=_lanes(d, P, replay))
+        s = tl.full([BLOCK_P], 1.0, dtype=tl.float32)
+        for j in tl.static_range(1, REGION_SIZE):
+            z, k = _load_region_row(
+                index_k_ptr, index_z_ptr, ring_ptr, stride_k0, stride_k1, stride_z0, stride_z1, stride_ring0,
+                stride_ring1, capacity, P, target, target_position, chunk_start, ring_base, j, d, replay,
+            )  # fmt: skip
+            m_new = tl.maximum(m, z)
+            alpha = _exp_fp32(m - m_new)
+            beta = _exp_fp32(z - m_new)
+            s = s * alpha + beta
+            a = a * alpha + beta * k
+            m = m_new
+        summary = _round_to_bf16(tl.math.div_rn(a, s))
+        summary_offsets = slot.to(tl.int64) * stride_summary0 + d * stride_summary1
+        if FP8_SUMMARY:
+            tl.store(summary_ptr + summary_offsets, _fp8_e4m3_code(summary), mask=_lanes(d, P, replay))
+        else:
+            tl.store(summary_ptr + summary_offsets, summary.to(tl.bfloat16), mask=_lanes(d, P, replay))
 
     # The ring replay's reads complete before this program stores anything.
     tl.debug_barrier()
@@ -214,17 +219,18 @@ def _csa_ring_update_kernel(
     # The leader stores the deferred rows: for each read position r, the stored position q = r (mod capacity).
     store_first = start_position + tl.maximum(chunk_len - capacity, 0)
     store_end = start_position + chunk_len
-    for i in tl.static_range(REGION_SIZE - 1):
-        r = read_first + i
-        q = store_first + ((r % capacity) - (store_first % capacity) + capacity) % capacity
-        move = _lanes(d, P, is_leader & ring_replay & (i < num_read) & (q < store_end))
-        src = chunk_start + (q - start_position)
-        row = ring_base + q % capacity
-        k_q = tl.load(index_k_ptr + src.to(tl.int64) * stride_k0 + d * stride_k1, mask=move)
-        z_q = tl.load(index_z_ptr + src.to(tl.int64) * stride_z0 + d * stride_z1, mask=move)
-        ring_q = row.to(tl.int64) * stride_ring0 + d * stride_ring1
-        tl.store(ring_ptr + ring_q, k_q, mask=move)
-        tl.store(ring_ptr + ring_q + P * stride_ring1, z_q, mask=move)
+    if is_leader & ring_replay:
+        for i in tl.static_range(REGION_SIZE - 1):
+            r = read_first + i
+            q = store_first + ((r % capacity) - (store_first % capacity) + capacity) % capacity
+            move = _lanes(d, P, (i < num_read) & (q < store_end))
+            src = chunk_start + (q - start_position)
+            row = ring_base + q % capacity
+            k_q = tl.load(index_k_ptr + src.to(tl.int64) * stride_k0 + d * stride_k1, mask=move)
+            z_q = tl.load(index_z_ptr + src.to(tl.int64) * stride_z0 + d * stride_z1, mask=move)
+            ring_q = row.to(tl.int64) * stride_ring0 + d * stride_ring1
+            tl.store(ring_ptr + ring_q, k_q, mask=move)
+            tl.store(ring_ptr + ring_q + P * stride_ring1, z_q, mask=move)
 
 
 def csa_ring_update_triton(
@@ -238,8 +244,15 @@ def csa_ring_update_triton(
     token_ring_base: torch.Tensor,
     token_summary_slot: torch.Tensor,
     capacity: int,
+    *,
+    reverse_grid: bool = False,
 ) -> None:
-    """Launch :func:`_csa_ring_update_kernel` on a grid of ``(T,)``; same contract as the PyTorch kernel."""
+    """Launch :func:`_csa_ring_update_kernel` on a grid of ``(T,)``; same contract as the PyTorch kernel.
+
+    ``reverse_grid`` maps program ``i`` to token ``T - 1 - i``. The interpreter runs programs one at a time
+    in grid order, so tests run both orders to show the result does not depend on the order of programs
+    (no program reads what another writes); on a GPU it only changes the scheduling order.
+    """
     _meta.check_csa_ring_update_args(
         index_k,
         index_z,
@@ -281,6 +294,7 @@ def csa_ring_update_triton(
         P=proxy_dim,
         BLOCK_P=block_p,
         FP8_SUMMARY=fp8,
+        REVERSE_GRID=reverse_grid,
         num_warps=max(1, min(4, block_p // 128)),
         # Keep `s * alpha + beta` two roundings, as in the PyTorch kernel, so the summaries match bitwise.
         enable_fp_fusion=False,

@@ -1,0 +1,374 @@
+"""``stepops::csa_ring_update``: dense recomputes, the read-before-store trap, poisoned caches, bad input, the
+metadata builder, the Triton kernel bitwise, and the docs example.
+
+Multi-step behaviour (chunk invariance, speculative decoding) is in ``test_csa_ring_update_steps.py``.
+The reference fold here is written with numpy, independently of the kernels: the formula the op documents
+(rows 0..7 in order, fp32 running max/sum/accumulator, ``exp`` in fp64 rounded to fp32, ``a / s``).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import triton
+import triton.language as tl
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from conftest import triton_device
+from stepops.ops.csa_ring_update import CSARingMetadata, build_csa_ring_metadata, csa_ring_update
+from stepops.ops.csa_ring_update.samples import SUMMARY_BLOCK_SIZE, make_step
+from stepops.ops.csa_ring_update.triton_kernel import _fp8_e4m3_code, _round_to_bf16, csa_ring_update_triton
+from stepops.testing import TOLERANCES, op_samples
+
+_SAMPLES = list(op_samples(op_name="csa_ring_update"))
+_SOFTMAX_TOLERANCE = TOLERANCES["csa_ring_summary_vs_softmax"]
+
+
+# ------------------------------------------------------------------------------------------------------
+# Independent references
+# ------------------------------------------------------------------------------------------------------
+
+
+def reference_summary(k_rows: torch.Tensor, z_rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Summary bytes of one region from its 8 ``[P]`` bf16 rows, folded with numpy fp32 in order 0..7."""
+    k = k_rows.float().numpy()
+    z = z_rows.float().numpy()
+    m, s, a = z[0].copy(), np.ones_like(z[0]), k[0].copy()
+    for j in range(1, 8):
+        m_new = np.maximum(m, z[j])
+        alpha = np.exp((m - m_new).astype(np.float64)).astype(np.float32)
+        beta = np.exp((z[j] - m_new).astype(np.float64)).astype(np.float32)
+        s = s * alpha + beta
+        a = a * alpha + beta * k[j]
+        m = m_new
+    summary = torch.from_numpy(a / s).to(torch.bfloat16)
+    if dtype == torch.bfloat16:
+        return summary.view(torch.int16)
+    return summary.clamp(-448, 448).to(torch.float8_e4m3fn).view(torch.uint8)
+
+
+def softmax_summary(k_rows: torch.Tensor, z_rows: torch.Tensor) -> torch.Tensor:
+    """The textbook formula in fp64: ``sum_t softmax(z, 0)_t * k_t``."""
+    return (torch.softmax(z_rows.double(), 0) * k_rows.double()).sum(0)
+
+
+def summary_bytes(summary_cache: torch.Tensor) -> torch.Tensor:
+    """Bytes of a summary cache (torch has no CPU ``equal`` for float8)."""
+    return summary_cache.view(torch.int16 if summary_cache.dtype == torch.bfloat16 else torch.uint8)
+
+
+def summary_slot(step, request: int, region: int) -> int:
+    block = int(step.summary_block_table[request, region // SUMMARY_BLOCK_SIZE])
+    return block * SUMMARY_BLOCK_SIZE + region % SUMMARY_BLOCK_SIZE
+
+
+def poison(step) -> None:
+    """Random bits (NaN patterns included) in every summary slot. The ring cache (gap rows between strided
+    blocks included) already holds random normal values, distinct from every input row; it is not filled
+    with random bits because replays read its earlier rows, and NaN payloads differ between libraries."""
+    summary = summary_bytes(step.summary_cache)
+    low, high = (-(2**15), 2**15) if summary.dtype == torch.int16 else (0, 256)
+    summary.copy_(torch.randint(low, high, summary.shape, dtype=summary.dtype))
+
+
+def run(kernel: str, step) -> None:
+    if kernel == "torch":
+        csa_ring_update(
+            step.index_k, step.index_z, step.ring, step.summary_cache, step.metadata, step.capacity, validate=True
+        )
+    else:
+        csa_ring_update_triton(*step.op_args(), reverse_grid=kernel == "triton_reversed")
+
+
+# The interpreter runs a grid's programs one by one in order; running it backwards too shows that no
+# program depends on another having run first (a store landing before a replay's read would show).
+KERNELS = ["torch", "triton", "triton_reversed"]
+
+
+# ------------------------------------------------------------------------------------------------------
+# One step against a per-token walk
+# ------------------------------------------------------------------------------------------------------
+
+
+def _expected_after(step, query_lens, seq_lens, ring_before, summary_before):
+    """Walk requests and tokens one by one: the ring rows and summary rows the docs say a step writes."""
+    width = step.ring.shape[1]
+    proxy_dim = width // 2
+    ring = ring_before.clone().view(-1, width)  # every row of the cache, gap rows included
+    summary = summary_before.clone()
+    cap = step.capacity
+    flat = 0
+    for r, (n, seq_len) in enumerate(zip(query_lens, seq_lens)):
+        base = int(step.ring_blocks[r]) * step.rows_per_block
+        start = seq_len - n
+        ring_at = {}  # rows of earlier positions, as the ring held them before the step
+        for t in range(n):
+            p = start + t
+            if p % 8 == 7:
+                k_rows, z_rows = [], []
+                for q in range(p - 7, p + 1):
+                    if q >= start:
+                        k_rows.append(step.index_k[flat + q - start])
+                        z_rows.append(step.index_z[flat + q - start])
+                    else:
+                        row = ring_before.view(-1, width)[base + q % cap].view(torch.bfloat16)
+                        k_rows.append(row[:proxy_dim])
+                        z_rows.append(row[proxy_dim:])
+                slot = summary_slot(step, r, p // 8)
+                summary[slot] = reference_summary(torch.stack(k_rows), torch.stack(z_rows), step.summary_cache.dtype)
+            if t >= n - cap:
+                ring_at[base + p % cap] = torch.cat([step.index_k[flat + t], step.index_z[flat + t]]).view(torch.int16)
+        for row, value in ring_at.items():
+            ring[row] = value
+        flat += n
+    return ring.view(ring_before.shape), summary
+
+
+STEPS = {
+    # One decode token closing region 1: its 7 earlier rows come from the ring.
+    "decode_closes": ([1], [16], 8, None),
+    # A prefill longer than capacity (only its last 10 rows land), a decode, a verify, strided blocks.
+    "ragged_strided": ([12, 1, 4, 3], [12, 40, 27, 30], 10, 13),
+    # The leader does not close (region 2 closes at its 4th token) and stores wrap over the rows it reads.
+    "chunk_of_capacity_closes_late": ([10], [30], 10, 12),
+}
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("summary_dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("name", list(STEPS))
+def test_step_matches_per_token_walk_and_writes_nothing_else(name, summary_dtype, kernel):
+    """Poisoned caches: every byte outside the rows and slots the step may write (gap rows past each
+    block's capacity, other blocks, padding tokens' would-be rows) is unchanged; written bytes are exact."""
+    query_lens, seq_lens, capacity, rows_per_block = STEPS[name]
+    step = make_step(
+        query_lens, seq_lens, proxy_dim=16, capacity=capacity, rows_per_block=rows_per_block, num_padding=3,
+        summary_dtype=summary_dtype, device=triton_device() if kernel != "torch" else "cpu",
+    )  # fmt: skip
+    poison(step)
+    ring_before = step.cache.view(torch.int16).clone()
+    summary_before = summary_bytes(step.summary_cache).clone()
+    expected_ring, expected_summary = _expected_after(step, query_lens, seq_lens, ring_before, summary_before)
+    run(kernel, step)
+    assert torch.equal(step.cache.view(torch.int16), expected_ring)
+    assert torch.equal(summary_bytes(step.summary_cache), expected_summary)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("summary_dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=["bf16", "fp8"])
+def test_trap_verify_step_whose_first_token_closes_with_capacity_7_plus_k(summary_dtype, kernel):
+    """k = 3, capacity exactly 10. A prefill of positions 0..22, then a verify step at 23..26: token 23
+    closes region 2 and replays rows 16..22 from the ring while token 26 is stored on row 26 % 10 = 6,
+    the row of position 16. A kernel that lets that store land first gets a different summary."""
+    k, proxy_dim = 3, 16
+    step = make_step(
+        [23], [23], proxy_dim=proxy_dim, capacity=7 + k, summary_dtype=summary_dtype,
+        device=triton_device() if kernel != "torch" else "cpu",
+    )  # fmt: skip
+    prefill_k, prefill_z = step.index_k.clone(), step.index_z.clone()
+    run(kernel, step)
+    verify = make_step([k + 1], [27], proxy_dim=proxy_dim, capacity=7 + k, summary_dtype=summary_dtype)
+    step.index_k, step.index_z = verify.index_k.to(step.index_k.device), verify.index_z.to(step.index_k.device)
+    step.metadata = build_csa_ring_metadata(
+        torch.tensor([0, k + 1], dtype=torch.int32), torch.tensor([27], dtype=torch.int32), step.ring_blocks,
+        step.rows_per_block, step.summary_block_table, SUMMARY_BLOCK_SIZE, k + 1,
+    )  # fmt: skip
+    assert step.metadata.summary_slot[0] >= 0 and step.metadata.position[-1] == 26
+    run(kernel, step)
+    all_k = torch.cat([prefill_k, step.index_k])
+    all_z = torch.cat([prefill_z, step.index_z])
+    expected = reference_summary(all_k[16:24], all_z[16:24], summary_dtype)
+    assert torch.equal(summary_bytes(step.summary_cache)[summary_slot(step, 0, 2)], expected)
+    base = int(step.ring_blocks[0]) * step.rows_per_block
+    assert torch.equal(step.ring[base + 6], torch.cat([all_k[26], all_z[26]]))
+
+
+# ------------------------------------------------------------------------------------------------------
+# Triton kernel vs PyTorch kernel, and the kernel's rounding helpers
+# ------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("sample", _SAMPLES, ids=[s.name for s in _SAMPLES])
+def test_triton_kernel_matches_torch_kernel_bitwise(sample):
+    """Same bits everywhere. The fold's only non-IEEE operation is exp, done in fp64 and rounded to fp32 by
+    both kernels, so numpy's exp (the interpreter) and torch's agree unless an fp32 rounding boundary lies
+    within 1 fp64 ulp of the result (probability ~2**-29 per value, never seen on these samples)."""
+    op, args, kwargs = sample
+    cloned = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+    op(*args, **kwargs)
+    device = triton_device()
+    triton_args = [a.to(device) if isinstance(a, torch.Tensor) else a for a in cloned]
+    csa_ring_update_triton(*triton_args, **kwargs)
+    assert torch.equal(triton_args[2].cpu().view(torch.int16), args[2].view(torch.int16))
+    assert torch.equal(triton_args[3].cpu().view(torch.uint8), args[3].view(torch.uint8))
+
+
+@triton.jit
+def _encode_kernel(x_ptr, bf16_ptr, fp8_ptr, n, BLOCK: tl.constexpr):
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < n
+    x = tl.load(x_ptr + offsets, mask=mask)
+    rounded = _round_to_bf16(x)
+    tl.store(bf16_ptr + offsets, rounded.to(tl.bfloat16), mask=mask)
+    tl.store(fp8_ptr + offsets, _fp8_e4m3_code(rounded), mask=mask)
+
+
+def test_rounding_helpers_match_torch_casts():
+    """fp32 -> bf16 on random normal fp32 values, and bf16 -> float8_e4m3fn on every finite bf16 value in
+    [-448, 448] plus values beyond (which must saturate, like the documented clamp), against torch's casts."""
+    every_bf16 = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    finite = every_bf16[torch.isfinite(every_bf16)]
+    fp8_inputs = torch.cat([finite[finite.abs() <= 448], torch.tensor([449.0, -480.0, 1e4, -3e38])]).float()
+    random = (torch.randn(4096) * torch.exp2(torch.randint(-60, 60, (4096,)).float())).float()
+    x = torch.cat([fp8_inputs, random])
+    device = triton_device()
+    bf16 = torch.empty(x.shape, dtype=torch.bfloat16, device=device)
+    fp8 = torch.empty(x.shape, dtype=torch.uint8, device=device)
+    block = 4096
+    _encode_kernel[(triton.cdiv(x.numel(), block),)](x.to(device), bf16, fp8, x.numel(), BLOCK=block)
+    # fp32 subnormals are excluded: the interpreter (numpy) flushes them; a region summary below 2**-126 is
+    # a softmax-weighted mean of bf16 rows, which does not happen outside contrived inputs.
+    normal = (x.abs() >= 2**-126) | (x == 0)
+    assert torch.equal(bf16.cpu()[normal].view(torch.int16), x[normal].to(torch.bfloat16).view(torch.int16))
+    n = fp8_inputs.numel()
+    expected = fp8_inputs.to(torch.bfloat16).clamp(-448, 448).to(torch.float8_e4m3fn).view(torch.uint8)
+    assert torch.equal(fp8.cpu()[:n], expected)
+
+
+# ------------------------------------------------------------------------------------------------------
+# Bad input
+# ------------------------------------------------------------------------------------------------------
+
+
+def _valid_args():
+    step = make_step([3, 9], [10, 15], proxy_dim=16, capacity=10, num_padding=1)
+    return step, list(step.op_args())
+
+
+def _replace(index, value):
+    def mutate(args):
+        args[index] = value(args[index]) if callable(value) else value
+
+    return mutate
+
+
+BAD_INPUTS = {
+    "index_k_float32": (_replace(0, lambda t: t.float()), TypeError, "index_k must be bfloat16"),
+    "index_z_shape": (_replace(1, lambda t: t[:, :8]), ValueError, r"must both be \[T, P\]"),
+    "ring_row_width": (_replace(2, lambda t: t[:, :24]), ValueError, "ring rows have 24 values"),
+    "ring_too_small": (_replace(2, lambda t: t[:9]), ValueError, "fewer than capacity 10"),
+    "ring_dtype": (_replace(2, lambda t: t.float()), TypeError, "ring must be bfloat16"),
+    "summary_dtype": (_replace(3, lambda t: t.half()), TypeError, "summary_cache must be bfloat16, float8"),
+    "summary_width": (_replace(3, lambda t: t[:, :8]), ValueError, r"summary_cache must be \[num_slots, 16\]"),
+    "metadata_length": (_replace(4, lambda t: t[:-1]), ValueError, r"token_position must be \[T\]"),
+    "metadata_dtype": (_replace(8, lambda t: t.long()), TypeError, "token_summary_slot must be int32"),
+    "capacity_below_7": (_replace(9, 6), ValueError, "capacity 6 < 7"),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD_INPUTS))
+def test_bad_input_raises_clear_errors_in_both_kernels_and_the_fake(name):
+    mutate, error, message = BAD_INPUTS[name]
+    _, args = _valid_args()
+    mutate(args)
+    with pytest.raises(error, match=message):
+        torch.ops.stepops.csa_ring_update(*args)
+    with pytest.raises(error, match=message):
+        csa_ring_update_triton(*args)
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        fake_args = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
+        with pytest.raises(error, match=message):
+            torch.ops.stepops.csa_ring_update(*fake_args)
+
+
+VALIDATE_CASES = {
+    "slot_out_of_range": ("summary_slot", lambda m: torch.where(m >= 0, m + 1000, m), "summary_slot is >= num_slots"),
+    "duplicate_slots": ("summary_slot", lambda m: torch.where(m >= 0, m.clamp(min=0).max(), m), "same summary_slot"),
+    "ring_base_out_of_range": ("ring_base", lambda m: torch.where(m >= 0, m + 10_000, m), "ring_base is outside"),
+    "chunk_past_T": ("chunk_len", lambda m: torch.where(m >= 0, m + 5, m), "run past T"),
+}
+
+
+def test_non_int_capacity_is_a_type_error():
+    """The dispatcher rejects it for the op (schema ``SymInt``); the launcher checks it itself."""
+    _, args = _valid_args()
+    args[9] = 10.0
+    with pytest.raises(TypeError, match="capacity must be an int"):
+        csa_ring_update_triton(*args)
+    with pytest.raises((TypeError, RuntimeError), match="capacity"):
+        torch.ops.stepops.csa_ring_update(*args)
+
+
+@pytest.mark.parametrize("name", list(VALIDATE_CASES))
+def test_validate_mode_checks_ranges_on_the_host(name):
+    field, change, message = VALIDATE_CASES[name]
+    step, _ = _valid_args()
+    csa_ring_update(step.index_k, step.index_z, step.ring, step.summary_cache, step.metadata, 10, validate=True)
+    metadata = step.metadata._replace(**{field: change(getattr(step.metadata, field))})
+    with pytest.raises(ValueError, match=message):
+        csa_ring_update(step.index_k, step.index_z, step.ring, step.summary_cache, metadata, 10, validate=True)
+
+
+# ------------------------------------------------------------------------------------------------------
+# The metadata builder
+# ------------------------------------------------------------------------------------------------------
+
+
+def test_metadata_builder_matches_a_python_walk():
+    """Zero-length (padded) requests, padding tokens, negative and missing summary blocks."""
+    query_lens = [5, 0, 1, 17, 0, 4]
+    seq_lens = [13, 0, 40, 17, 0, 56]  # request 5 closes region 6, whose table column 3 is past the width
+    num_tokens = sum(query_lens) + 4
+    rows_per_block, block_size = 11, 2
+    ring_blocks = torch.tensor([7, 0, 3, 1, 2, 5], dtype=torch.int32)
+    table = torch.randint(0, 40, (6, 3), dtype=torch.int32)
+    table[2, 2] = -1  # region 4 of request 2 (position 39) has no summary block
+    qsl = torch.tensor([0, *np.cumsum(query_lens)], dtype=torch.int32)
+    metadata = build_csa_ring_metadata(
+        qsl, torch.tensor(seq_lens, dtype=torch.int32), ring_blocks, rows_per_block, table, block_size, num_tokens
+    )
+    expected = {name: [-1] * num_tokens for name in CSARingMetadata._fields}
+    flat = 0
+    for r, (n, seq_len) in enumerate(zip(query_lens, seq_lens)):
+        for t in range(n):
+            p = seq_len - n + t
+            expected["position"][flat + t] = p
+            expected["chunk_start"][flat + t] = flat
+            expected["chunk_len"][flat + t] = n
+            expected["ring_base"][flat + t] = int(ring_blocks[r]) * rows_per_block
+            region = p // 8
+            if p % 8 == 7 and region // block_size < table.shape[1] and table[r, region // block_size] >= 0:
+                expected["summary_slot"][flat + t] = int(table[r, region // block_size]) * block_size + region % 2
+        flat += n
+    assert sum(slot >= 0 for slot in expected["summary_slot"]) == 2  # positions 7 and 15 of request 3
+    for name in CSARingMetadata._fields:
+        got = getattr(metadata, name)
+        assert got.dtype == torch.int32 and got.shape == (num_tokens,)
+        assert got.tolist() == expected[name], name
+
+
+# ------------------------------------------------------------------------------------------------------
+# The docs example runs
+# ------------------------------------------------------------------------------------------------------
+
+
+def test_docs_example_runs():
+    text = (Path(__file__).parents[2] / "docs" / "ops.md").read_text()
+    section = text.split("## `csa_ring_update`", 1)[1].split("\n## ", 1)[0]
+    blocks = re.findall(r"```python\n(.*?)```", section, flags=re.S)
+    assert blocks, "the csa_ring_update section has a python example"
+    for code in blocks:
+        exec(compile(code, "docs/ops.md", "exec"), {})
+
+
+def test_summary_matches_textbook_softmax_within_tolerance():
+    """The fold is the softmax-weighted sum it claims to be (independent of its bits)."""
+    k_rows = torch.randn(50, 8, 64).to(torch.bfloat16)
+    z_rows = (torch.randn(50, 8, 64) * 4).to(torch.bfloat16)
+    for k, z in zip(k_rows, z_rows):
+        got = reference_summary(k, z, torch.bfloat16).view(torch.bfloat16).double()
+        torch.testing.assert_close(got, softmax_summary(k, z), atol=_SOFTMAX_TOLERANCE.atol, rtol=_SOFTMAX_TOLERANCE.rtol)
