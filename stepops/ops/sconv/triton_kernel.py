@@ -1,9 +1,11 @@
 """The Triton kernel of ``stepops::sconv`` (CUDA; CPU tensors under ``TRITON_INTERPRET=1`` in tests).
 
-One launch per stream. Program ``(t, b)`` owns token ``t`` and channels ``[b * BLOCK_C, (b+1) * BLOCK_C)``
-of ``x``'s ``H * width`` head-major channels: it stores the token's input at its own slot (inside the
-stream's D-range of every head) and convolves its ``W`` taps. The grid depends only on ``T`` and the
-channel count, so a step captures in a CUDA graph; all metadata are read on the device.
+One launch per stream. Program ``(t, h, b)`` owns token ``t``, head ``h`` and the stream's channels
+``[b * BLOCK_W, (b+1) * BLOCK_W)`` of that head: it stores the token's input at its own slot (inside the
+stream's D-range) and convolves its ``W`` taps. Tiling by head keeps every load and store a contiguous run
+of one head's channels, in ``x`` and in the cache alike, so the compiler can vectorise them. The grid
+depends only on ``T``, ``H`` and the stream width, so a step captures in a CUDA graph; all metadata are
+read on the device.
 
 No read/store hazard between programs: a program stores only the slot of its own position ``p >= p0``
 (``p0`` = its request's first position in this step) and reads from the cache only positions
@@ -28,11 +30,13 @@ import triton.language as tl
 
 from stepops._meta.sconv import check_sconv_args
 
-# Channels per program, capped so one program's W taps (W x-rows + W cache rows of BLOCK_C bf16, plus
-# the weights) stay in registers; 1024 bf16 = 2 KiB per row keeps each load a few 128-bit transactions per
-# thread at 4 warps.
-_MAX_BLOCK_C = 1024
-_NUM_WARPS = 4
+# Channels of one head per program, capped so one program's W taps (W x-rows + W cache rows of BLOCK_W
+# bf16, plus the weights) stay in registers.
+_MAX_BLOCK_W = 1024
+# bf16 channels per thread: 8 is one 128-bit access. Warps = BLOCK_W // (32 * 8), at least one and at most
+# four (a 128-wide head then gets one warp of 4 channels per thread: 64-bit accesses).
+_CHANNELS_PER_THREAD = 8
+_MAX_NUM_WARPS = 4
 
 
 @triton.jit
@@ -60,7 +64,6 @@ def _sconv_kernel(
     slot_mapping_ptr,
     token_position_ptr,
     y_ptr,
-    channels,
     width,
     block_size,
     stream_offset,
@@ -78,16 +81,18 @@ def _sconv_kernel(
     KERNEL_SIZE: tl.constexpr,
     RESIDUAL: tl.constexpr,
     SILU: tl.constexpr,
-    BLOCK_C: tl.constexpr,
+    BLOCK_W: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
-    channel = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    channel_mask = channel < channels
+    head = tl.program_id(1)
+    column = tl.program_id(2) * BLOCK_W + tl.arange(0, BLOCK_W)
+    channel_mask = column < width
+    channel = head * width + column  # this head's channels of x, y and the weight
 
     # Token scalars are broadcast over the channel block, so every mask below is built from block-shaped
     # comparisons: triton 3.9's interpreter gives a splatted scalar bool an int32 payload, which tl.load
     # rejects as a mask. On a GPU the broadcast loads of one address cost one transaction per warp.
-    zero = tl.zeros([BLOCK_C], dtype=tl.int64)
+    zero = tl.zeros([BLOCK_W], dtype=tl.int64)
     request = tl.load(token_request_ptr + token).to(tl.int64) + zero
     is_real = request >= 0
     position = tl.load(token_position_ptr + token).to(tl.int64) + zero
@@ -95,13 +100,10 @@ def _sconv_kernel(
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64) + zero
 
     # Offset of each channel inside one cache slot: its head, then its place in the stream's D-range.
-    head = channel // width
-    cache_channel = head.to(tl.int64) * stride_cache_head + (stream_offset + channel - head * width).to(
-        tl.int64
-    ) * stride_cache_dim
+    cache_channel = head.to(tl.int64) * stride_cache_head + (stream_offset + column).to(tl.int64) * stride_cache_dim
     x_channel = channel.to(tl.int64) * stride_x_channel
 
-    acc = tl.zeros([BLOCK_C], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_W], dtype=tl.float32)
     for j in tl.static_range(KERNEL_SIZE):
         q = position - (KERNEL_SIZE - 1) + j
         in_step = is_real & (q >= first_position)
@@ -130,10 +132,10 @@ def _sconv_kernel(
     if SILU:
         # div_rn: IEEE division on the GPU too (plain fp32 `/` lowers to an approximate divide there).
         acc = tl.math.div_rn(acc, 1.0 + tl.exp(-acc))
+    # A padding token's taps and residual are all masked to 0, so its row of y is 0 (silu(0) = 0 too).
     x_own = tl.load(x_ptr + token * stride_x_token + x_channel, mask=channel_mask & is_real, other=0.0)
     if RESIDUAL:
         acc = acc + x_own.to(tl.float32)
-    acc = tl.where(is_real, acc, 0.0)
     tl.store(y_ptr + token * stride_y_token + channel, _round_fp32_to_bf16(acc).to(tl.bfloat16), mask=channel_mask)
 
     stores = is_real & (slot >= 0)
@@ -159,7 +161,7 @@ def sconv_triton(
     residual: bool = True,
     silu: bool = False,
 ) -> torch.Tensor:
-    """Launch :func:`_sconv_kernel` on grid ``(T, cdiv(H * width, BLOCK_C))``; semantics of ``sconv_torch``."""
+    """Launch :func:`_sconv_kernel` on grid ``(T, H, cdiv(width, BLOCK_W))``; semantics of ``sconv_torch``."""
     num_tokens, num_heads, width, kernel_size, block_size = check_sconv_args(
         x, weight, cache, block_table, token_request, token_chunk_start, slot_mapping, token_position, stream_offset
     )
@@ -167,8 +169,8 @@ def sconv_triton(
     y = torch.empty((num_tokens, channels), dtype=x.dtype, device=x.device)
     if num_tokens == 0:
         return y
-    block_c = min(triton.next_power_of_2(channels), _MAX_BLOCK_C)
-    grid = (num_tokens, triton.cdiv(channels, block_c))
+    block_w = min(triton.next_power_of_2(width), _MAX_BLOCK_W)
+    grid = (num_tokens, num_heads, triton.cdiv(width, block_w))
     _sconv_kernel[grid](
         x,
         weight,
@@ -179,7 +181,6 @@ def sconv_triton(
         slot_mapping,
         token_position,
         y,
-        channels,
         width,
         block_size,
         stream_offset,
@@ -194,8 +195,8 @@ def sconv_triton(
         KERNEL_SIZE=kernel_size,
         RESIDUAL=residual,
         SILU=silu,
-        BLOCK_C=block_c,
-        num_warps=_NUM_WARPS,
+        BLOCK_W=block_w,
+        num_warps=min(max(block_w // (32 * _CHANNELS_PER_THREAD), 1), _MAX_NUM_WARPS),
         # Separate rounding of every product and sum, as in the PyTorch kernel, so GPU and CPU agree bit
         # for bit; the kernel is memory-bound, the lost FMAs cost nothing measurable.
         enable_fp_fusion=False,

@@ -1,0 +1,353 @@
+"""``stepops::sconv``: a per-token reference, poisoned caches, streams, bad input, the Triton kernel bitwise.
+
+Multi-step behaviour (chunk and batch invariance, speculative decoding against ``nn.Conv1d``) is in
+``test_sconv_steps.py``.
+"""
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from conftest import triton_device
+from stepops.layouts import InklingStream
+from stepops.ops.sconv import SconvMetadata, build_sconv_metadata, sconv
+from stepops.ops.sconv.samples import SAMPLE_LAYOUT, random_block_table, sample_cache, step_metadata
+from stepops.ops.sconv.triton_kernel import sconv_triton
+from stepops.testing import TOLERANCES, op_samples
+
+_SAMPLES = list(op_samples(op_name="sconv"))
+_DOCS = Path(__file__).resolve().parents[2] / "docs" / "ops.md"
+
+
+def _split(args):
+    """A sample's positional args as (x, weight, cache, block_table, metadata, stream_offset)."""
+    x, weight, cache, block_table, *metadata, stream_offset = args
+    return x, weight, cache, block_table, SconvMetadata(*metadata), stream_offset
+
+
+def _base(cache: torch.Tensor) -> torch.Tensor:
+    """The whole storage behind a (possibly page-strided) cache view, as int16 so NaN bits compare too."""
+    flat = torch.as_strided(cache, (cache.untyped_storage().nbytes() // cache.element_size(),), (1,))
+    return flat.view(torch.int16)
+
+
+def _poison(cache: torch.Tensor) -> None:
+    """Fill the cache's whole storage (the gaps of a page-strided view too) with random bits, NaNs included."""
+    base = _base(cache)
+    base.copy_(torch.randint(-(2**15), 2**15, base.shape, dtype=torch.int16))
+
+
+def _expected_storage(x, cache, metadata: SconvMetadata, stream_offset):
+    """Independent formulation of the stores: token by token, head by head, on a copy of the storage."""
+    base = _base(cache).clone()
+    expected = torch.as_strided(base, cache.shape, cache.stride(), cache.storage_offset())
+    num_heads, block_size = cache.shape[1], cache.shape[2]
+    width = x.shape[1] // num_heads
+    for t, (request, slot) in enumerate(zip(metadata.token_request.tolist(), metadata.slot_mapping.tolist())):
+        if request < 0 or slot < 0:
+            continue
+        for h in range(num_heads):
+            row = x[t, h * width : (h + 1) * width].view(torch.int16)
+            expected[slot // block_size, h, slot % block_size, stream_offset : stream_offset + width] = row
+    return base
+
+
+def _per_token_reference(x, weight, cache, block_table, metadata, stream_offset, residual=True, silu=False):
+    """y token by token from the documented formula, taps looked up one at a time (cache before the step)."""
+    num_heads, block_size = cache.shape[1], cache.shape[2]
+    width = x.shape[1] // num_heads
+    kernel_size = weight.shape[1]
+    request, chunk_start, _, position = (m.tolist() for m in metadata)
+    y = torch.zeros(x.shape, dtype=x.dtype)
+    for t in range(x.shape[0]):
+        r, p = request[t], position[t]
+        if r < 0:
+            continue
+        first = p - (t - chunk_start[t])
+        acc = torch.zeros(x.shape[1])
+        for j in range(kernel_size):
+            q = p - (kernel_size - 1) + j
+            if q < 0:
+                tap = torch.zeros(x.shape[1])
+            elif q >= first:
+                tap = x[t - (p - q)].float()
+            else:
+                block = int(block_table[r, q // block_size])
+                tap = cache[block, :, q % block_size, stream_offset : stream_offset + width].reshape(-1).float()
+            acc = acc + weight[:, j].float() * tap
+        if silu:
+            acc = acc / (1.0 + torch.exp(-acc))
+        if residual:
+            acc = acc + x[t].float()
+        y[t] = acc.to(x.dtype)
+    return y
+
+
+@pytest.mark.parametrize("sample", _SAMPLES, ids=[s.name for s in _SAMPLES])
+def test_matches_per_token_reference_and_stores_only_its_slots(sample):
+    """Same arithmetic order as the reference, so bitwise; the whole storage outside the slots is unchanged."""
+    x, weight, cache, block_table, metadata, offset = _split(sample.args)
+    want_y = _per_token_reference(x, weight, cache, block_table, metadata, offset, **sample.kwargs)
+    want_storage = _expected_storage(x, cache, metadata, offset)
+    y = sconv(x, weight, cache, block_table, metadata, offset, validate=True, **sample.kwargs)
+    assert torch.equal(y, want_y)
+    assert torch.equal(_base(cache), want_storage)
+
+
+@pytest.mark.parametrize("sample", _SAMPLES, ids=[s.name for s in _SAMPLES])
+def test_triton_kernel_matches_torch_kernel(sample):
+    """Interpreter (or GPU, FMA contraction off) vs the PyTorch kernel: the same bits, SiLU within one ulp.
+
+    Without SiLU both kernels do the same fp32 operations in the same order and round once with RNE, so
+    the outputs must be bitwise equal. With SiLU the interpreter's exp is numpy's (a GPU's is ex2.approx),
+    which differs from PyTorch's in the last fp32 bits: ``TOLERANCES["sconv_silu"]``.
+    """
+    device = triton_device()
+    x, weight, cache, block_table, metadata, offset = _split(sample.args)
+    cache_want = cache.clone()
+    y_want = torch.ops.stepops.sconv(x, weight, cache_want, block_table, *metadata, offset, **sample.kwargs)
+    cache_got = cache.to(device)
+    moved = [t.to(device) for t in (x, weight, block_table, *metadata)]
+    y_got = sconv_triton(moved[0], moved[1], cache_got, moved[2], *moved[3:], offset, **sample.kwargs).cpu()
+    assert torch.equal(cache_got.cpu(), cache_want)
+    if sample.kwargs["silu"]:
+        tol = TOLERANCES["sconv_silu"]
+        torch.testing.assert_close(y_got.float(), y_want.float(), atol=tol.atol, rtol=tol.rtol)
+    else:
+        assert torch.equal(y_got, y_want)
+
+
+def _step(stream, *, prior_lens, new_lens, num_tokens, block_size=None, block_gap=0, seed=0):
+    """One random step of the sample layout: (x, weight, cache, block_table, metadata, offset)."""
+    generator = torch.Generator().manual_seed(seed)
+    offset, width = SAMPLE_LAYOUT.stream_range(stream)
+    shape = SAMPLE_LAYOUT.cache_shape(num_blocks=32, block_size=block_size)
+    n = shape[2]
+    max_blocks = max(-(-(p + k) // n) for p, k in zip(prior_lens, new_lens))
+    device = torch.device("cpu")
+    block_table = random_block_table(len(new_lens), max_blocks, shape[0], generator=generator, device=device)
+    metadata = step_metadata(prior_lens, new_lens, block_table, n, num_tokens)
+    channels = SAMPLE_LAYOUT.local_num_kv_heads * width
+    x = torch.randn(num_tokens, channels, generator=generator).to(torch.bfloat16)
+    weight = torch.randn(channels, SAMPLE_LAYOUT.kernel_size, generator=generator).to(torch.bfloat16)
+    cache = sample_cache(shape, block_gap=block_gap, generator=generator, device=device)
+    return x, weight, cache, block_table, metadata, offset
+
+
+_KERNELS = {
+    "torch": lambda x, w, c, bt, m, o, **kw: torch.ops.stepops.sconv(x, w, c, bt, *m, o, **kw),
+    "triton": lambda x, w, c, bt, m, o, **kw: sconv_triton(x, w, c, bt, *m, o, **kw),
+}
+
+
+# The poison holds Inf/NaN bit patterns that taps read; numpy (the interpreter) warns on the Inf products.
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
+@pytest.mark.parametrize("kernel", sorted(_KERNELS))
+def test_four_streams_never_overwrite_each_other_and_padding_writes_nothing(kernel):
+    """All four streams of one step into one poisoned, page-strided cache; every byte is accounted for.
+
+    The step has padding tokens (NaN inputs) and one real token with slot -1 (computed, not stored).
+    """
+    run = _KERNELS[kernel]
+    _, _, cache, block_table, metadata, _ = _step(
+        InklingStream.K, prior_lens=[6, 0, 3], new_lens=[3, 5, 1], num_tokens=12, block_gap=40
+    )
+    _poison(cache)
+    slot_mapping = metadata.slot_mapping.clone()
+    slot_mapping[4] = -1  # a real token of request 1 that the engine does not store
+    metadata = metadata._replace(slot_mapping=slot_mapping)
+    padding = metadata.token_request < 0
+    for stream in InklingStream:
+        offset, width = SAMPLE_LAYOUT.stream_range(stream)
+        channels = SAMPLE_LAYOUT.local_num_kv_heads * width
+        x = torch.randn(metadata.token_request.numel(), channels).to(torch.bfloat16)
+        x[padding] = float("nan")
+        weight = torch.randn(channels, SAMPLE_LAYOUT.kernel_size).to(torch.bfloat16)
+        want = _expected_storage(x, cache, metadata, offset)
+        y = run(x, weight, cache, block_table, metadata, offset)
+        assert torch.equal(_base(cache), want), stream.name
+        assert torch.equal(y[padding], torch.zeros_like(y[padding])), stream.name
+        assert not y[4].isnan().any() and not y[~padding].eq(0).all(), stream.name
+
+
+def test_block_smaller_than_kernel_reads_across_several_blocks():
+    """N = 2 < W - 1: a token's taps span three blocks; the op needs no relation between N and W."""
+    shape = (16, SAMPLE_LAYOUT.local_num_kv_heads, 2, SAMPLE_LAYOUT.head_size)
+    cache = torch.randn(shape).to(torch.bfloat16)
+    offset, width = SAMPLE_LAYOUT.stream_range(InklingStream.MLP_OUT)
+    block_table = random_block_table(2, 6, 16, generator=torch.Generator().manual_seed(1), device=torch.device("cpu"))
+    metadata = step_metadata([5, 9], [2, 1], block_table, 2, 4)
+    x = torch.randn(4, 2 * width).to(torch.bfloat16)
+    weight = torch.randn(2 * width, 4).to(torch.bfloat16)
+    want = _per_token_reference(x, weight, cache, block_table, metadata, offset)
+    assert torch.equal(sconv(x, weight, cache, block_table, metadata, offset, validate=True), want)
+
+
+def test_padding_rows_are_zero_and_an_all_padding_step_changes_nothing():
+    x, weight, cache, block_table, metadata, offset = _step(
+        InklingStream.V, prior_lens=[4], new_lens=[0], num_tokens=3
+    )
+    x.fill_(float("nan"))
+    before = _base(cache).clone()
+    y = sconv(x, weight, cache, block_table, metadata, offset, validate=True)
+    assert torch.equal(y, torch.zeros_like(y))
+    assert torch.equal(_base(cache), before)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Bad input
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _bad(name, exc, match, edit):
+    return pytest.param(edit, exc, match, id=name)
+
+
+def _with(index, make):
+    def edit(args):
+        args = list(args)
+        args[index] = make(args[index])
+        return args
+
+    return edit
+
+
+_X, _WEIGHT, _CACHE, _TABLE, _REQUEST, _START, _SLOT, _POSITION, _OFFSET = range(9)
+_BAD_INPUTS = [
+    _bad("x_fp32", TypeError, "x must be bfloat16", _with(_X, lambda x: x.float())),
+    _bad("cache_fp16", TypeError, "cache must be bfloat16", _with(_CACHE, lambda c: c.half())),
+    _bad("weight_int", TypeError, "weight must be bfloat16 or float32", _with(_WEIGHT, lambda w: w.int())),
+    _bad("x_3d", ValueError, r"x must be \[T, H \* width\]", _with(_X, lambda x: x.view(x.shape[0], 2, -1))),
+    _bad("cache_3d", ValueError, r"cache must be \[num_blocks, H, N, D\]", _with(_CACHE, lambda c: c[0])),
+    _bad("x_not_divisible_by_heads", ValueError, "not a positive multiple", _with(_X, lambda x: x[:, :-1])),
+    _bad("stream_past_d", ValueError, "lies outside the cache's D = 64", _with(_OFFSET, lambda o: 60)),
+    _bad("stream_negative", ValueError, "lies outside", _with(_OFFSET, lambda o: -1)),
+    _bad("weight_rows", ValueError, r"weight must be \[H \* width, W\]", _with(_WEIGHT, lambda w: w[:-2])),
+    _bad("weight_conv1d_shape", ValueError, "weight must be", _with(_WEIGHT, lambda w: w[:, None, :])),
+    _bad("weight_no_taps", ValueError, "W >= 1", _with(_WEIGHT, lambda w: w[:, :0])),
+    _bad("block_table_int64", TypeError, "block_table must be int32", _with(_TABLE, lambda b: b.long())),
+    _bad("block_table_1d", ValueError, r"block_table must be \[R, max_blocks\]", _with(_TABLE, lambda b: b[0])),
+    _bad("slot_mapping_int64", TypeError, "slot_mapping must be int32", _with(_SLOT, lambda s: s.long())),
+    _bad("token_position_short", ValueError, r"token_position must be \[T\]", _with(_POSITION, lambda p: p[:-1])),
+    _bad("token_request_2d", ValueError, "token_request must be", _with(_REQUEST, lambda r: r[:, None])),
+    _bad("chunk_start_float", TypeError, "token_chunk_start must be int32", _with(_START, lambda s: s.float())),
+    _bad("offset_float", TypeError, "stream_offset must be an int", _with(_OFFSET, lambda o: 1.0)),
+]
+
+
+def _bad_args(edit):
+    x, weight, cache, block_table, metadata, offset = _step(
+        InklingStream.V, prior_lens=[2, 5], new_lens=[3, 1], num_tokens=6
+    )
+    return edit([x, weight, cache, block_table, *metadata, offset])
+
+
+@pytest.mark.parametrize(("edit", "exc", "match"), _BAD_INPUTS)
+def test_bad_input_is_rejected_by_the_op_the_fake_and_the_triton_launcher(edit, exc, match):
+    args = _bad_args(edit)
+    if isinstance(args[_OFFSET], float):
+        # The dispatcher's schema check rejects a float for an int argument before any stepops code runs.
+        with pytest.raises(RuntimeError, match="Expected a value of type 'int' for argument 'stream_offset'"):
+            torch.ops.stepops.sconv(*args)
+    else:
+        with pytest.raises(exc, match=match):
+            torch.ops.stepops.sconv(*args)
+        with FakeTensorMode() as mode, pytest.raises(exc, match=match):
+            torch.ops.stepops.sconv(*[mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args])
+    with pytest.raises(exc, match=match):
+        sconv_triton(*args)
+
+
+def _validate_error(*, prior_lens=(6, 2), new_lens=(3, 2), edit_metadata=None, edit_table=None):
+    """Run sconv(validate=True) on a step spoiled by the edits; return the ValueError's message."""
+    x, weight, cache, block_table, metadata, offset = _step(
+        InklingStream.K, prior_lens=prior_lens, new_lens=new_lens, num_tokens=7
+    )
+    if edit_table is not None:
+        edit_table(block_table)
+        metadata = step_metadata(prior_lens, new_lens, block_table, cache.shape[2], 7)
+    if edit_metadata is not None:
+        metadata = SconvMetadata(*(m.clone() for m in metadata))
+        edit_metadata(metadata)
+    before = _base(cache).clone()
+    with pytest.raises(ValueError) as info:
+        sconv(x, weight, cache, block_table, metadata, offset, validate=True)
+    assert torch.equal(_base(cache), before), "validate=True must raise before the op writes"
+    return str(info.value)
+
+
+def _set(name, index, value):
+    return lambda metadata: getattr(metadata, name).__setitem__(index, value)
+
+
+def test_validate_rejects_inconsistent_metadata():
+    # Step: request 0 at positions 6..8 (tokens 0-2), request 1 at positions 2..3 (tokens 3-4), 2 padding.
+    assert "block table gives" in _validate_error(edit_metadata=_set("slot_mapping", 1, 0))
+    assert "must carry -1" in _validate_error(edit_metadata=_set("slot_mapping", 6, 3))
+    assert "not contiguous" in _validate_error(edit_metadata=_set("token_position", 2, 20))
+    assert "not contiguous" in _validate_error(edit_metadata=_set("token_request", 2, 1))
+    assert "chunk start" in _validate_error(edit_metadata=_set("token_chunk_start", 0, 3))
+    assert "but block_table has 2 rows" in _validate_error(edit_metadata=_set("token_request", 0, 2))
+    assert "past its block table" in _validate_error(edit_metadata=_set("token_position", 0, 12))
+
+
+def test_validate_rejects_bad_block_tables():
+    assert "outside [0, 32)" in _validate_error(edit_table=lambda b: b[0].__setitem__(1, 40))
+
+    def share_stored_block(table):  # request 1's positions 0..3 land on request 0's positions 4..7
+        table[1, 0] = table[0, 1]
+
+    assert "store the same slot" in _validate_error(edit_table=share_stored_block)
+    # Request 0 stores positions 6..8; request 1 (position 4) reads positions 1..3 of the same block.
+    message = _validate_error(prior_lens=(6, 4), new_lens=(3, 1), edit_table=share_stored_block)
+    assert re.search(r"stores slot \d+, which token 3 reads", message), message
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Metadata builder and docs
+# ---------------------------------------------------------------------------------------------------------
+
+
+def test_build_sconv_metadata_matches_plain_python():
+    generator = torch.Generator().manual_seed(7)
+    for block_size, num_tokens in ((4, 20), (32, 16), (1, 12)):
+        new_lens = [3, 0, 1, 5, 0, 2]
+        prior_lens = torch.randint(0, 40, (len(new_lens),), generator=generator).tolist()
+        max_blocks = max(-(-(p + n) // block_size) for p, n in zip(prior_lens, new_lens))
+        table = torch.randint(0, 1000, (len(new_lens), max_blocks), generator=generator, dtype=torch.int32)
+        got = step_metadata(prior_lens, new_lens, table, block_size, num_tokens)
+        want = [[-1] * num_tokens for _ in range(4)]
+        t = 0
+        for r, (prior, new) in enumerate(zip(prior_lens, new_lens)):
+            start = t
+            for p in range(prior, prior + new):
+                slot = int(table[r, p // block_size]) * block_size + p % block_size
+                for field, value in enumerate((r, start, slot, p)):
+                    want[field][t] = value
+                t += 1
+        assert [m.tolist() for m in got] == want
+        assert all(m.dtype == torch.int32 for m in got)
+
+
+def test_build_sconv_metadata_rejects_bad_block_size_and_table():
+    qsl, seq_lens = torch.tensor([0, 2], dtype=torch.int32), torch.tensor([5], dtype=torch.int32)
+    table = torch.zeros(1, 2, dtype=torch.int32)
+    with pytest.raises(ValueError, match="block_size"):
+        build_sconv_metadata(qsl, seq_lens, table, 0, 4)
+    with pytest.raises(ValueError, match="int32"):
+        build_sconv_metadata(qsl, seq_lens, table.long(), 4, 4)
+    with pytest.raises(ValueError, match="rows"):
+        build_sconv_metadata(qsl, seq_lens, torch.zeros(2, 2, dtype=torch.int32), 4, 4)
+
+
+def test_docs_worked_example_runs():
+    """The sconv section of docs/ops.md carries one python block; run it as a user would paste it."""
+    text = _DOCS.read_text()
+    section = text[text.index("## `sconv`") :]
+    section = section[: section.find("\n## ", 4)] if "\n## " in section[4:] else section
+    blocks = re.findall(r"```python\n(.*?)```", section, flags=re.S)
+    assert len(blocks) == 1
+    exec(compile(blocks[0], str(_DOCS), "exec"), {})
