@@ -351,3 +351,32 @@ def test_docs_worked_example_runs():
     blocks = re.findall(r"```python\n(.*?)```", section, flags=re.S)
     assert len(blocks) == 1
     exec(compile(blocks[0], str(_DOCS), "exec"), {})
+
+
+def test_compiles_fullgraph_and_matches_eager():
+    """Metadata builder + two streams into one cache under torch.compile(fullgraph=True): eager's bits."""
+
+    # Offsets come from the layout outside the compiled region (Dynamo cannot trace InklingStream(stream)).
+    k_offset, _ = SAMPLE_LAYOUT.stream_range(InklingStream.K)
+    v_offset, _ = SAMPLE_LAYOUT.stream_range(InklingStream.V)
+
+    def layer(x_k, x_v, w_k, w_v, cache, block_table, query_start_loc, seq_lens):
+        metadata = build_sconv_metadata(query_start_loc, seq_lens, block_table, cache.shape[2], x_k.shape[0])
+        y_k = sconv(x_k, w_k, cache, block_table, metadata, k_offset)
+        y_v = sconv(x_v, w_v, cache, block_table, metadata, v_offset, silu=True)
+        return y_k, y_v
+
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager", dynamic=True)
+    for new_lens, num_tokens in (([3, 1], 6), ([1, 1], 3)):
+        _, _, cache, block_table, _, _ = _step(InklingStream.K, prior_lens=[5, 2], new_lens=new_lens, num_tokens=9)
+        query_start_loc = torch.tensor([0, new_lens[0], sum(new_lens)], dtype=torch.int32)
+        seq_lens = torch.tensor([5 + new_lens[0], 2 + new_lens[1]], dtype=torch.int32)
+        args = [torch.randn(num_tokens, 16).to(torch.bfloat16) for _ in range(2)]
+        args += [torch.randn(16, 4).to(torch.bfloat16) for _ in range(2)]
+        cache_eager = cache.clone()
+        want = layer(*args, cache_eager, block_table, query_start_loc, seq_lens)
+        # A second token count reuses the first graph: T is dynamic, the grid depends on sizes only.
+        with torch.compiler.set_stance("fail_on_recompile" if num_tokens == 3 else "default"):
+            got = compiled(*args, cache, block_table, query_start_loc, seq_lens)
+        assert all(torch.equal(g, w) for g, w in zip(got, want))
+        assert torch.equal(cache, cache_eager)
