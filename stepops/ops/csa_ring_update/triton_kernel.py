@@ -26,11 +26,11 @@ import triton.language as tl
 from stepops._meta import csa_ring_update as _meta
 
 # Positions per CSA region (the closing token replays the REGION_SIZE - 1 before it).
-REGION_SIZE: tl.constexpr = _meta.REGION_SIZE
+REGION_SIZE = tl.constexpr(_meta.REGION_SIZE)
 # The largest finite float8_e4m3fn value, 448 = 1.75 * 2**8; summaries saturate to it.
-_FP8_MAX: tl.constexpr = 448.0
+_FP8_MAX = tl.constexpr(448.0)
 # Smallest normal float8_e4m3fn, 2**-6; below it the code counts subnormal steps of 2**-9.
-_FP8_MIN_NORMAL: tl.constexpr = 0.015625
+_FP8_MIN_NORMAL = tl.constexpr(0.015625)
 
 
 @triton.jit
