@@ -340,8 +340,15 @@ class InklingConvStateLayout:
         return ((0, hd), (hd, hd), (2 * hd, hph), (2 * hd + hph, hph))
 
     def stream_range(self, stream: InklingStream) -> tuple[int, int]:
-        """``(offset, width)`` inside ``D`` of ``stream``."""
-        return self.stream_ranges[InklingStream(stream)]
+        """``(offset, width)`` inside ``D`` of ``stream``.
+
+        Indexes by ``int(stream)``: Dynamo (torch 2.13) recurses without end on ``InklingStream(x)`` and on
+        indexing a tuple with an IntEnum, and this is called inside compiled layers.
+        """
+        index = int(stream)
+        if not 0 <= index < len(InklingStream):
+            raise ValueError(f"stream must be one of {[s.name for s in InklingStream]}, got {stream!r}")
+        return self.stream_ranges[index]
 
     def _block_size(self, block_size: int | None) -> int:
         if block_size is None:

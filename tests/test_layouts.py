@@ -309,6 +309,19 @@ def test_inkling_streams_by_name():
     layout = InklingConvStateLayout(num_kv_heads=2, head_dim=8, hidden_size=12, kernel_size=3)
     assert layout.stream_range(InklingStream["ATTN_OUT"]) == (16, 6)
     assert layout.stream_range(3) == (22, 6)
+    with pytest.raises(ValueError, match="stream must be one of"):
+        layout.stream_range(4)
+
+
+def test_inkling_stream_range_traces_under_fullgraph_compile():
+    layout = InklingConvStateLayout(num_kv_heads=2, head_dim=8, hidden_size=12, kernel_size=3)
+
+    @torch.compile(fullgraph=True, backend="eager")
+    def shifted(x):
+        offset, width = layout.stream_range(InklingStream.MLP_OUT)
+        return x + offset * 100 + width
+
+    assert shifted(torch.zeros(1)).tolist() == [2206.0]
 
 
 @pytest.mark.parametrize(
