@@ -372,3 +372,24 @@ def test_summary_matches_textbook_softmax_within_tolerance():
     for k, z in zip(k_rows, z_rows):
         got = reference_summary(k, z, torch.bfloat16).view(torch.bfloat16).double()
         torch.testing.assert_close(got, softmax_summary(k, z), atol=_SOFTMAX_TOLERANCE.atol, rtol=_SOFTMAX_TOLERANCE.rtol)
+
+
+def test_compiled_wrapper_matches_eager_in_place():
+    """fullgraph compile of the wrapper (fp8 cache passed on as a uint8 view, ring as an as_strided view of
+    the cache) writes the same bytes into the same tensors as eager."""
+    steps = [
+        make_step([3, 9], [10, 15], proxy_dim=16, capacity=10, rows_per_block=12, num_padding=1,
+                  summary_dtype=torch.float8_e4m3fn, generator=torch.Generator().manual_seed(1))
+        for _ in range(2)
+    ]  # fmt: skip
+    before = steps[0].cache.clone()
+
+    def update(index_k, index_z, ring, summary_cache, metadata):
+        csa_ring_update(index_k, index_z, ring, summary_cache, metadata, 10)
+
+    compiled = torch.compile(update, fullgraph=True, backend="inductor")
+    compiled(steps[0].index_k, steps[0].index_z, steps[0].ring, steps[0].summary_cache, steps[0].metadata)
+    update(steps[1].index_k, steps[1].index_z, steps[1].ring, steps[1].summary_cache, steps[1].metadata)
+    assert not torch.equal(steps[0].cache, before)
+    assert torch.equal(steps[0].cache, steps[1].cache)
+    assert torch.equal(summary_bytes(steps[0].summary_cache), summary_bytes(steps[1].summary_cache))
