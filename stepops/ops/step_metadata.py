@@ -35,6 +35,9 @@ def build_token_metadata(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, 
         )
     qsl = query_start_loc.to(torch.int64)
     token = torch.arange(num_tokens, device=qsl.device, dtype=torch.int64)
+    if seq_lens.numel() == 0:  # a step of padding only: there is no request to point at
+        pad = torch.full_like(token, -1, dtype=torch.int32)
+        return TokenMetadata(request=pad, chunk_start=pad.clone(), position=pad.clone())
     # right=True skips zero-length (padded) requests: a token belongs to the last request starting at or
     # before it.
     request = torch.searchsorted(qsl, token, right=True) - 1
