@@ -412,3 +412,9 @@ class BoundInklingConvState:
     kv_cache: torch.Tensor
     block_size: int
     num_blocks: int
+
+
+# Illustrative production numbers, not a published configuration: a Llama-8B-shaped Inkling layer (8 KV
+# heads of 128, hidden 4096, W = 4, so D = 2048). The layout CLI's defaults, and the shapes the GPU-build
+# check compiles the sconv kernel for.
+INKLING_EXAMPLE_LAYOUT = InklingConvStateLayout(num_kv_heads=8, head_dim=128, hidden_size=4096, kernel_size=4)

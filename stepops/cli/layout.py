@@ -14,6 +14,7 @@ import torch
 
 from stepops.layouts import (
     BLOCK_SIZE_CANDIDATES,
+    INKLING_EXAMPLE_LAYOUT,
     CSATailRingLayout,
     InklingConvStateLayout,
     InklingStream,
@@ -63,10 +64,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="The Inkling short-conv state cache [num_blocks, H, N, D]. Defaults: a "
         "Llama-8B-shaped layer (8 KV heads of 128, hidden 4096), kernel 4. " + _ILLUSTRATIVE,
     )
-    inkling.add_argument("--num-kv-heads", type=int, default=8, help="KV heads, all ranks (default 8)")
-    inkling.add_argument("--head-dim", type=int, default=128, help="KV head dim (default 128)")
-    inkling.add_argument("--hidden-size", type=int, default=4096, help="model hidden size (default 4096)")
-    inkling.add_argument("--kernel-size", type=int, default=4, help="conv kernel size W (default 4)")
+    example = INKLING_EXAMPLE_LAYOUT
+    inkling.add_argument("--num-kv-heads", type=int, default=example.num_kv_heads, help="KV heads, all ranks (default %(default)s)")
+    inkling.add_argument("--head-dim", type=int, default=example.head_dim, help="KV head dim (default %(default)s)")
+    inkling.add_argument("--hidden-size", type=int, default=example.hidden_size, help="model hidden size (default %(default)s)")
+    inkling.add_argument("--kernel-size", type=int, default=example.kernel_size, help="conv kernel size W (default %(default)s)")
     inkling.add_argument("--tp-size", type=int, default=1, help="tensor-parallel ranks (default 1)")
     inkling.add_argument(
         "--block-size", type=int, default=None, help="tokens per block N, >= kernel size (default: kernel size)"

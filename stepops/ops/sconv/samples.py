@@ -4,7 +4,8 @@ All samples use one small Inkling layout (2 KV heads, head_dim 8, hidden 32, W =
 streams K [0, 8), V [8, 16), attention output [16, 32), MLP output [32, 48)) and cover: T = 1, ragged
 steps mixing prefill, decode and verify tokens, padding, block-boundary crossings, random block tables,
 an enlarged block size (N = 8W), all four streams, residual on/off, SiLU, fp32 weights and a
-page-strided cache.
+page-strided cache. Two more samples use the illustrative production layout (D = 2048, widths 128 and
+512) so that the GPU-build check compiles the kernel configurations a real model launches.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from itertools import accumulate
 import torch
 
 from stepops._library import SampleInput
-from stepops.layouts import InklingConvStateLayout, InklingStream
+from stepops.layouts import INKLING_EXAMPLE_LAYOUT, InklingConvStateLayout, InklingStream
 from stepops.ops.sconv.metadata import SconvMetadata, build_sconv_metadata
 
 SAMPLE_LAYOUT = InklingConvStateLayout(num_kv_heads=2, head_dim=8, hidden_size=32, kernel_size=4)
@@ -73,11 +74,12 @@ def _sample(
     weight_dtype: torch.dtype = torch.bfloat16,
     residual: bool = True,
     silu: bool = False,
+    layout: InklingConvStateLayout = SAMPLE_LAYOUT,
+    num_blocks: int = 64,
 ) -> SampleInput:
     generator = torch.Generator().manual_seed(seed)
-    layout = SAMPLE_LAYOUT
     offset, width = layout.stream_range(stream)
-    shape = layout.cache_shape(num_blocks=64, block_size=block_size)
+    shape = layout.cache_shape(num_blocks=num_blocks, block_size=block_size)
     n = shape[2]
     max_blocks = max(-(-(p + k) // n) for p, k in zip(prior_lens, new_lens))
     block_table = random_block_table(len(new_lens), max_blocks, shape[0], generator=generator, device=device)
@@ -149,3 +151,15 @@ def samples(device: torch.device) -> Iterator[SampleInput]:
     yield _sample(
         "padding_only", device, seed=6, prior_lens=[4], new_lens=[0], num_tokens=3, stream=InklingStream.ATTN_OUT
     )
+    for stream in (InklingStream.K, InklingStream.MLP_OUT):
+        yield _sample(
+            f"model_layout_{stream.name.lower()}",
+            device,
+            seed=7 + stream,
+            prior_lens=[6, 0],
+            new_lens=[1, 3],
+            num_tokens=4,
+            stream=stream,
+            layout=INKLING_EXAMPLE_LAYOUT,
+            num_blocks=4,
+        )
