@@ -24,38 +24,10 @@ import triton
 import triton.language as tl
 
 from stepops._meta import csa_ring_update as _meta
+from stepops.ops.triton_rounding import fp8_e4m3_code, round_fp32_to_bf16
 
 # Positions per CSA region (the closing token replays the REGION_SIZE - 1 before it).
 REGION_SIZE = tl.constexpr(_meta.REGION_SIZE)
-# The largest finite float8_e4m3fn value, 448 = 1.75 * 2**8; summaries saturate to it.
-_FP8_MAX = tl.constexpr(448.0)
-# Smallest normal float8_e4m3fn, 2**-6; below it the code counts subnormal steps of 2**-9.
-_FP8_MIN_NORMAL = tl.constexpr(0.015625)
-
-
-@triton.jit
-def _round_to_bf16(x):
-    """fp32 -> the nearest bf16 value (ties to even), still as fp32 (its low 16 bits are zero)."""
-    bits = x.to(tl.uint32, bitcast=True)
-    bits = (bits + (0x7FFF + ((bits >> 16) & 1))) & 0xFFFF0000
-    return bits.to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _fp8_e4m3_code(x):
-    """Code (uint8) of float8_e4m3fn nearest to ``x`` (fp32, finite), ties to even, saturating at +-448."""
-    sign = (x.to(tl.uint32, bitcast=True) >> 31) << 7
-    ax = tl.minimum(tl.abs(x), _FP8_MAX)
-    bits = ax.to(tl.uint32, bitcast=True)
-    # Normal: round the fp32 mantissa to 3 bits; (bits >> 20) is then (fp32 exponent << 3) | mantissa, and
-    # rebasing the exponent from bias 127 to bias 7 subtracts 120 << 3.
-    rounded = (bits + (0x7FFFF + ((bits >> 20) & 1))) & 0xFFF00000
-    normal = (rounded >> 20) - (120 << 3)
-    # Subnormal: the code is |x| / 2**-9 rounded to an integer (ties to even, via the 2**23 magic add; the
-    # product is exact). A result of 8 is the code of 2**-6, the smallest normal, as it should be.
-    subnormal = ((ax * 512.0 + 8388608.0) - 8388608.0).to(tl.uint32)
-    code = tl.where(ax < _FP8_MIN_NORMAL, subnormal, normal)
-    return (code | sign).to(tl.uint8)
 
 
 @triton.jit
@@ -193,10 +165,10 @@ def _csa_ring_update_kernel(
             s = s * alpha + beta
             a = a * alpha + beta * k
             m = m_new
-        summary = _round_to_bf16(tl.math.div_rn(a, s))
+        summary = round_fp32_to_bf16(tl.math.div_rn(a, s))
         summary_offsets = slot.to(tl.int64) * stride_summary0 + d * stride_summary1
         if FP8_SUMMARY:
-            tl.store(summary_ptr + summary_offsets, _fp8_e4m3_code(summary), mask=_lanes(d, P, replay))
+            tl.store(summary_ptr + summary_offsets, fp8_e4m3_code(summary), mask=_lanes(d, P, replay))
         else:
             tl.store(summary_ptr + summary_offsets, summary.to(tl.bfloat16), mask=_lanes(d, P, replay))
 
@@ -269,7 +241,7 @@ def csa_ring_update_triton(
     if num_tokens == 0:
         return
     fp8 = summary_cache.dtype in _meta.FP8_SUMMARY_DTYPES
-    # fp8 codes are computed with integer ops and stored as bytes (see _fp8_e4m3_code).
+    # fp8 codes are computed with integer ops and stored as bytes (see fp8_e4m3_code).
     summary = summary_cache.view(torch.uint8) if fp8 else summary_cache
     block_p = triton.next_power_of_2(proxy_dim)
     _csa_ring_update_kernel[(num_tokens,)](

@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 
 from stepops._meta.sconv import check_sconv_args
+from stepops.ops.triton_rounding import round_fp32_to_bf16
 
 # Channels of one head per program, capped so one program's W taps (W x-rows + W cache rows of BLOCK_W
 # bf16, plus the weights) stay in registers.
@@ -37,20 +38,6 @@ _MAX_BLOCK_W = 1024
 # four (a 128-wide head then gets one warp of 4 channels per thread: 64-bit accesses).
 _CHANNELS_PER_THREAD = 8
 _MAX_NUM_WARPS = 4
-
-
-@triton.jit
-def _round_fp32_to_bf16(value):
-    """Round fp32 to the nearest bf16 value (ties to even), returned as fp32, with integer ops.
-
-    The interpreter's fp32 -> bf16 cast truncates; adding ``0x7FFF + lsb`` before dropping the low 16 bits
-    is PyTorch's round-to-nearest-even. NaN keeps its own bits (the carry could turn a NaN into Inf).
-    """
-    bits = value.to(tl.uint32, bitcast=True)
-    bits = bits + (0x7FFF + ((bits >> 16) & 1))
-    bits = (bits >> 16) << 16
-    rounded = bits.to(tl.float32, bitcast=True)
-    return tl.where(value != value, value, rounded)
 
 
 @triton.jit
@@ -136,7 +123,7 @@ def _sconv_kernel(
     x_own = tl.load(x_ptr + token * stride_x_token + x_channel, mask=channel_mask & is_real, other=0.0)
     if RESIDUAL:
         acc = acc + x_own.to(tl.float32)
-    tl.store(y_ptr + token * stride_y_token + channel, _round_fp32_to_bf16(acc).to(tl.bfloat16), mask=channel_mask)
+    tl.store(y_ptr + token * stride_y_token + channel, round_fp32_to_bf16(acc).to(tl.bfloat16), mask=channel_mask)
 
     stores = is_real & (slot >= 0)
     slot_safe = tl.maximum(slot, 0)
