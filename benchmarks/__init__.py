@@ -1,0 +1,1 @@
+"""The stepops benchmark harness: ``python -m benchmarks`` (see ``benchmarks/__main__.py``)."""

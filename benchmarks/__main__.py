@@ -1,0 +1,84 @@
+"""``python -m benchmarks``: every stepops op (and decoder layer step) against its byte floor and baselines.
+
+    python -m benchmarks [--quick] [--json PATH] [--ops NAME ...] [--no-layers]
+    python -m benchmarks static          # the GPU-build table (registers, spills, load widths) + bytes/launch
+
+Run from the repository root, or from anywhere as ``python path/to/benchmarks ...``. Results go to
+``benchmarks/results/`` (JSON, CSV, and PNG plots when matplotlib is installed). See docs/performance.md.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):
+    # Run as a directory (python path/to/benchmarks): make the repository root importable.
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    __package__ = "benchmarks"
+
+import argparse  # noqa: E402
+import time  # noqa: E402
+
+
+def _log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def _parser() -> argparse.ArgumentParser:
+    from benchmarks.harness import OP_MODULES
+
+    parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.split("\n")[0])
+    parser.add_argument("command", nargs="?", choices=("run", "static"), default="run",
+                        help="run: time ops and layers (default); static: the GPU-build table with bytes per launch")
+    parser.add_argument("--quick", action="store_true", help="small sizes: under two minutes on a 2-core CPU")
+    parser.add_argument("--tiny", action="store_true", help="one smallest case per op, no extras or layers (smoke test)")
+    parser.add_argument("--json", type=Path, default=None, help="also write the JSON report to PATH")
+    parser.add_argument("--ops", nargs="+", choices=OP_MODULES, default=list(OP_MODULES), help="ops to run")
+    parser.add_argument("--no-layers", action="store_true", help="skip the decoder layer steps")
+    parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="CPU threads (default 1: on a shared machine more threads stall in OpenMP barriers)")
+    parser.add_argument("--compile-backend", default="inductor", help="torch.compile backend of the baselines")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.command == "static":
+        from benchmarks.static import main as static_main
+
+        return static_main()
+
+    import torch
+
+    from benchmarks import harness
+
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    # Before anything compiles: Inductor's CPU kernels take their OpenMP thread count from here.
+    torch.set_num_threads(args.threads)
+    settings = harness.Settings(
+        device=device, quick=args.quick or args.tiny, compile_backend=args.compile_backend,
+        min_run_time=0.05 if (args.quick or args.tiny) else 0.2, tiny=args.tiny,
+    )
+    started = time.perf_counter()
+    copy_gbps = harness.copy_bandwidth_gbps(settings)
+    report = {"machine": harness.machine(settings), "copy_bandwidth_gbps": copy_gbps, "ops": []}
+    _log(f"device {device}, copy bandwidth {copy_gbps:.1f} GB/s")
+    for name in args.ops:
+        result = harness.run_op(name, settings, copy_gbps, _log)
+        report["ops"].append(result)
+        print(harness.format_op_table(result), flush=True)
+    if not (args.no_layers or args.tiny):
+        from benchmarks.bench_layers import format_layers, run_layers
+
+        report["layers"] = run_layers(settings, _log)
+        print(format_layers(report["layers"]), flush=True)
+    report["wall_s"] = time.perf_counter() - started
+    harness.save(report, args.json, _log)
+    _log(f"done in {report['wall_s']:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

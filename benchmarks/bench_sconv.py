@@ -1,0 +1,154 @@
+"""``stepops::sconv``: Inkling's store-and-convolve of one conv stream over a ragged step.
+
+Shape: the Llama-8B-sized Inkling layout of the layout CLI's defaults (8 KV heads, head_dim 128, hidden
+4096, W = 4, so D = 2048, N = W = 4), the K stream (128 channels per head, 1024 in all), bf16 weights.
+Only the blocks a step touches are distinct cache blocks; every older block-table entry points at block 0,
+which nothing reads or writes (as a sliding-window engine points freed blocks at a null block).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from benchmarks.harness import Case, Settings, Workload
+from benchmarks.steps import decode, generator as case_generator, standard_cases, verify
+from stepops.layouts import InklingConvStateLayout, InklingStream
+from stepops.ops.sconv.samples import step_metadata
+
+OP = "sconv"
+FLOOR = (
+    "x read (real T x C x 2 B) + weight (C x W x 2 B) + 4 metadata tensors (4 x T x 4 B) + history taps "
+    "(per request min(W-1, p0) rows x C x 2 B, and their block-table entries x 4 B) + y written (T x C x 2 B) "
+    "+ stored rows (T x C x 2 B)"
+)
+
+LAYOUT = InklingConvStateLayout(num_kv_heads=8, head_dim=128, hidden_size=4096, kernel_size=4)
+
+
+def cases(quick: bool) -> list[Case]:
+    return standard_cases(quick)
+
+
+def _block_table(prior_lens, new_lens, block_size: int, gen: torch.Generator) -> tuple[torch.Tensor, int]:
+    """``[R, max_blocks]`` int32: fresh distinct blocks for every block the step reads or writes, else 0."""
+    kernel_size = LAYOUT.kernel_size
+    columns = [
+        range(max(0, p - (kernel_size - 1)) // block_size, (p + n - 1) // block_size + 1)
+        for p, n in zip(prior_lens, new_lens)
+    ]
+    num_blocks = 1 + sum(len(c) for c in columns)
+    fresh = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
+    max_blocks = max(-(-(p + n) // block_size) for p, n in zip(prior_lens, new_lens))
+    table = torch.zeros(len(new_lens), max_blocks, dtype=torch.int32)
+    for r, cols in enumerate(columns):
+        for c in cols:
+            table[r, c] = fresh.pop()
+    return table, num_blocks
+
+
+def _workload(case: Case, device: torch.device, offset: int, width: int, salt: str = "") -> Workload:
+    gen = case_generator(case, salt)
+    prior_lens, new_lens = case.params["prior_lens"], case.params["new_lens"]
+    block_size, kernel_size, heads = LAYOUT.kernel_size, LAYOUT.kernel_size, LAYOUT.local_num_kv_heads
+    table, num_blocks = _block_table(prior_lens, new_lens, block_size, gen)
+    tokens = case.num_tokens
+    metadata = step_metadata(prior_lens, new_lens, table.to(device), block_size, tokens)
+    channels = heads * width
+    x = torch.randn(tokens, channels, generator=gen).to(device=device, dtype=torch.bfloat16)
+    weight = torch.randn(channels, kernel_size, generator=gen).to(device=device, dtype=torch.bfloat16)
+    cache_shape = LAYOUT.cache_shape(num_blocks)
+    cache = torch.rand(cache_shape, generator=gen).to(device=device, dtype=torch.bfloat16)
+
+    row = channels * x.element_size()
+    history_rows = sum(min(kernel_size - 1, p) for p in prior_lens)
+    history_blocks = sum(
+        len({q // block_size for q in range(max(0, p - (kernel_size - 1)), p)}) for p in prior_lens
+    )
+    floor = (
+        tokens * row  # x
+        + weight.numel() * weight.element_size()
+        + sum(m.numel() * m.element_size() for m in metadata)
+        + history_rows * row
+        + history_blocks * table.element_size()
+        + tokens * row  # y
+        + tokens * row  # stores
+    )
+    return Workload((x, weight, cache, table.to(device), *metadata, offset), floor)
+
+
+def build(case: Case, device: torch.device) -> Workload:
+    return _workload(case, device, *LAYOUT.stream_range(InklingStream.K))
+
+
+def naive(
+    x, weight, cache, block_table, token_request, token_chunk_start, slot_mapping, token_position, stream_offset,
+    residual=True, silu=False,
+) -> torch.Tensor:
+    """What a user writes first: per request, gather its history taps, concatenate, convolve tap by tap.
+
+    The taps are summed in the op's documented order (``j = 0 .. W-1``, fp32), so the result must equal
+    the op's bit for bit; then each token's input is assigned to its slot.
+    """
+    num_heads, block_size = cache.shape[1], cache.shape[2]
+    width = x.shape[1] // num_heads
+    kernel_size = weight.shape[1]
+    stream = cache[..., stream_offset : stream_offset + width]
+    weight_f32 = weight.float()
+    y = torch.zeros_like(x)
+    request, position = token_request.tolist(), token_position.tolist()
+    start = 0
+    while start < len(request) and request[start] >= 0:
+        r = request[start]
+        end = start
+        while end < len(request) and request[end] == r:
+            end += 1
+        first = position[start]
+        history = list(range(max(0, first - (kernel_size - 1)), first))
+        blocks = block_table[r, [q // block_size for q in history]].long()
+        offsets = torch.tensor([q % block_size for q in history], dtype=torch.long, device=x.device)
+        taps = stream[blocks, :, offsets]
+        padding = x.new_zeros(kernel_size - 1 - len(history), x.shape[1])
+        sequence = torch.cat([padding, taps.reshape(len(history), x.shape[1]), x[start:end]]).float()
+        n = end - start
+        acc = torch.zeros(n, x.shape[1], dtype=torch.float32, device=x.device)
+        for j in range(kernel_size):
+            acc = acc + weight_f32[:, j] * sequence[j : j + n]
+        if silu:
+            acc = acc / (1.0 + torch.exp(-acc))
+        if residual:
+            acc = acc + x[start:end].float()
+        y[start:end] = acc.to(x.dtype)
+        start = end
+    for t, slot in enumerate(slot_mapping.tolist()):
+        if request[t] >= 0 and slot >= 0:
+            stream[slot // block_size, :, slot % block_size] = x[t].view(num_heads, width)
+    return y
+
+
+def extras(settings: Settings, median_us: Callable[..., float]) -> dict[str, Any]:
+    """Would a fused K+V sconv pay? Two launches (K, then V) against one launch over both streams.
+
+    K ``[0, hd)`` and V ``[hd, 2hd)`` are adjacent in each head's D, so one sconv call of width ``2 hd``
+    (head ``h`` owning ``[k_h | v_h]``) moves exactly the bytes of both calls: its time is what a fused
+    op could reach. On CPU this times the PyTorch kernel, where per-call cost is Python; the answer that
+    matters is the CUDA one (``benchmarks/gpu_check.sh``).
+    """
+    from stepops._library import registered_ops
+
+    op = next(e for e in registered_ops() if e.name == OP).overload
+    k_offset, k_width = LAYOUT.stream_range(InklingStream.K)
+    v_offset, v_width = LAYOUT.stream_range(InklingStream.V)
+    rows = []
+    for case in (decode(1), decode(256), verify(64)) if not settings.quick else (decode(1), decode(256)):
+        k = _workload(case, settings.device, k_offset, k_width, "k").args
+        v = _workload(case, settings.device, v_offset, v_width, "v").args
+        kv = _workload(case, settings.device, k_offset, k_width + v_width, "kv")
+        two = median_us(lambda: (op(*k), op(*v)), settings)
+        one = median_us(lambda: op(*kv.args), settings)
+        rows.append({"case": case.name, "floor_bytes_both": kv.floor_bytes, "two_launches_us": two,
+                     "one_launch_us": one, "saving_pct": 100 * (two - one) / two})
+    summary = ", ".join(f"{r['case']} {r['two_launches_us']:.1f} -> {r['one_launch_us']:.1f} us "
+                        f"({r['saving_pct']:.0f}%)" for r in rows)
+    return {"sconv_k_plus_v_fusion": {"rows": rows, "summary": "two launches -> one over both streams: " + summary}}

@@ -1,0 +1,390 @@
+"""The one benchmark harness: providers, correctness checks, timing, byte floors, tables and result files.
+
+Every ``benchmarks/bench_<op>.py`` module declares, for the stepops op of the same name:
+
+- ``OP``: the op's name in the registry; ``FLOOR``: the byte-floor formula in words;
+- ``cases(quick) -> list[Case]``: configurations (decode at 1..256 requests, verify with k = 3, prefill);
+- ``build(case, device) -> Workload``: fresh, seeded inputs (the op's positional arguments) and the
+  floor: each input read once, each output written once, counting only the cache rows actually touched;
+- ``naive(*args)``: the same semantics as a naive PyTorch user would write them (Python loops over
+  requests or tokens, index_select, scatter by assignment);
+- optionally ``TOLERANCES``: ``{(provider, state): Tolerance}`` where a baseline computes with another
+  arithmetic order than the op (otherwise results must be equal bit for bit) and ``extras(ctx)``:
+  op-specific measurements.
+
+Providers: ``stepops`` (the custom op called eagerly: the PyTorch kernel on CPU, the Triton kernel on
+CUDA), ``naive`` and ``compiled`` (the op's PyTorch kernel under ``torch.compile``). Before a case is
+timed, each baseline runs once on fresh inputs and its output and every byte of the storage behind every
+argument the op mutates must equal the op's (a benchmark of a wrong baseline is worthless).
+
+Times are medians: ``torch.utils.benchmark`` on CPU; ``triton.testing.do_bench`` on CUDA, and
+``do_bench_cudagraph`` for CUDA-graph replay. Achieved bandwidth is ``floor / time``, also as a percentage
+of a device-to-device copy measured in the same run.
+"""
+
+from __future__ import annotations
+
+import csv
+import importlib
+import json
+import os
+import platform
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.utils.benchmark as torch_benchmark
+
+from stepops._library import registered_ops
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+PROVIDERS = ("stepops", "naive", "compiled")
+# Op benchmarks by op name; each module is benchmarks/bench_<op>.py.
+OP_MODULES = ("csa_ring_update", "paged_kv_write", "sconv")
+
+
+@dataclass(frozen=True)
+class Case:
+    """One configuration of an op: ``kind`` is decode, verify (k = 3) or prefill."""
+
+    name: str
+    kind: str
+    num_requests: int
+    num_tokens: int  # real tokens of the step (padding, if any, comes on top)
+    params: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Workload:
+    """Inputs of one case (the op's positional arguments) and the bytes the op must move."""
+
+    args: tuple[Any, ...]
+    floor_bytes: int
+
+
+@dataclass
+class Settings:
+    device: torch.device
+    quick: bool
+    compile_backend: str = "inductor"
+    min_run_time: float = 0.2  # seconds per CPU measurement
+    tiny: bool = False  # one smallest case per op: the smoke test's configuration
+
+
+# --------------------------------------------------------------------------------------------------------
+# Timing
+# --------------------------------------------------------------------------------------------------------
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def median_us(fn: Callable[[], Any], settings: Settings) -> float:
+    """Median time of ``fn()`` in microseconds on the settings' device."""
+    if settings.device.type == "cuda":
+        import triton.testing
+
+        return 1e3 * triton.testing.do_bench(fn, return_mode="median")
+    fn()  # warm up (a first call may compile or allocate)
+    timer = torch_benchmark.Timer(stmt="fn()", globals={"fn": fn}, num_threads=torch.get_num_threads())
+    return 1e6 * timer.blocked_autorange(min_run_time=settings.min_run_time).median
+
+
+def cudagraph_median_us(fn: Callable[[], Any]) -> tuple[float | None, str | None]:
+    """Median of ``fn`` replayed from a CUDA graph, or ``(None, why)`` when it cannot be captured."""
+    import triton.testing
+
+    try:
+        return 1e3 * triton.testing.do_bench_cudagraph(fn, return_mode="median"), None
+    except Exception as error:  # host syncs (.tolist()) or data-dependent shapes make capture fail
+        torch.cuda.synchronize()
+        return None, f"{type(error).__name__}: {str(error).splitlines()[0][:160]}"
+
+
+def host_us(fn: Callable[[], Any], settings: Settings) -> float:
+    """Host-side cost of one call in microseconds: the mean wall time of back-to-back calls.
+
+    On CUDA the kernels of a tiny case finish faster than the host can launch them, so the loop's wall
+    time is the host's; on CPU the call's whole time is host time.
+    """
+    fn()
+    _sync(settings.device)
+    timer = torch_benchmark.Timer(stmt="fn()", globals={"fn": fn}, num_threads=torch.get_num_threads())
+    return 1e6 * timer.blocked_autorange(min_run_time=settings.min_run_time).median
+
+
+def copy_bandwidth_gbps(settings: Settings) -> float:
+    """Device-to-device copy bandwidth (read + write bytes / time) of a buffer far larger than caches."""
+    nbytes = (1 << 30) if settings.device.type == "cuda" else (256 << 20 if not settings.quick else 64 << 20)
+    src = torch.empty(nbytes, dtype=torch.uint8, device=settings.device).random_()
+    dst = torch.empty_like(src)
+    seconds = 1e-6 * median_us(lambda: dst.copy_(src), settings)
+    return 2 * nbytes / seconds / 1e9
+
+
+# --------------------------------------------------------------------------------------------------------
+# Correctness of the baselines
+# --------------------------------------------------------------------------------------------------------
+
+
+def _storage(tensor: torch.Tensor) -> torch.Tensor:
+    """Every element of the storage behind ``tensor`` (a view's gaps included), flat, in its dtype."""
+    flat = torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(tensor.untyped_storage())
+    return flat.view(tensor.dtype) if flat.numel() % tensor.element_size() == 0 else flat
+
+
+def mutated_arguments(op: torch._ops.OpOverload) -> list[int]:
+    """Positions of the arguments the op's schema says it writes."""
+    return [i for i, a in enumerate(op._schema.arguments) if a.alias_info is not None and a.alias_info.is_write]
+
+
+def state_after(op: torch._ops.OpOverload, fn: Callable[..., Any], workload: Workload) -> dict[str, torch.Tensor]:
+    """Run ``fn(*args)`` once; return its output and a copy of each mutated argument's whole storage."""
+    out = fn(*workload.args)
+    names = [a.name for a in op._schema.arguments]
+    state = {names[i]: _storage(workload.args[i]).clone() for i in mutated_arguments(op)}
+    if isinstance(out, torch.Tensor):
+        state["out"] = out.clone()
+    return state
+
+
+def check_equal(op_name: str, provider: str, got: dict, want: dict, tolerances: dict) -> None:
+    """Raise ``AssertionError`` unless ``got`` equals ``want``: bitwise, or within the op's stated tolerance."""
+    if got.keys() != want.keys():
+        raise AssertionError(f"{op_name}/{provider}: state {sorted(got)} != {sorted(want)}")
+    for name, expected in want.items():
+        actual = got[name]
+        tolerance = tolerances.get((provider, name))
+        if tolerance is None:
+            same = actual.shape == expected.shape and torch.equal(
+                actual.contiguous().view(torch.uint8), expected.contiguous().view(torch.uint8)
+            )
+            if not same:
+                detail = f"shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+                if actual.shape == expected.shape:
+                    wrong = (actual.view(torch.uint8) != expected.view(torch.uint8)).reshape(actual.shape[0], -1)
+                    first = wrong.any(1).nonzero()[0, 0].item()
+                    detail = (f"{int(wrong.any(1).sum())} rows differ; first {first}: "
+                              f"{actual[first].flatten()[:4].tolist()} vs {expected[first].flatten()[:4].tolist()}")
+                raise AssertionError(f"{op_name}/{provider}: {name} differs from the stepops op ({detail})")
+        else:
+            torch.testing.assert_close(
+                actual.float(), expected.float(), atol=tolerance.atol, rtol=tolerance.rtol,
+                msg=lambda m: f"{op_name}/{provider}: {name} outside its tolerance ({tolerance.why}): {m}",
+            )
+
+
+# --------------------------------------------------------------------------------------------------------
+# Running one op
+# --------------------------------------------------------------------------------------------------------
+
+
+def load_module(name: str):
+    return importlib.import_module(f"benchmarks.bench_{name}")
+
+
+def _entry(name: str):
+    for entry in registered_ops():
+        if entry.name == name:
+            return entry
+    raise KeyError(f"no stepops op named {name!r}")
+
+
+def run_op(name: str, settings: Settings, copy_gbps: float, log: Callable[[str], None]) -> dict[str, Any]:
+    module = load_module(name)
+    entry = _entry(module.OP)
+    op = entry.overload
+    tolerances = getattr(module, "TOLERANCES", {})
+    compiled_kernel = torch.compile(entry.torch_kernel, backend=settings.compile_backend, dynamic=True)
+    providers: dict[str, Callable[..., Any]] = {
+        "stepops": op,
+        "naive": module.naive,
+        "compiled": compiled_kernel,
+    }
+    cases = module.cases(settings.quick)
+    if settings.tiny:
+        cases = cases[:1]
+    rows = []
+    for case in cases:
+        started = time.perf_counter()
+        reference = state_after(op, op, module.build(case, settings.device))
+        for provider in ("naive", "compiled"):
+            got = state_after(op, providers[provider], module.build(case, settings.device))
+            check_equal(name, provider, got, reference, tolerances)
+        del reference, got
+        workload = module.build(case, settings.device)
+        args = workload.args
+        times = {p: median_us(lambda f=fn: f(*args), settings) for p, fn in providers.items()}
+        graph_times, graph_notes = {}, {}
+        if settings.device.type == "cuda":
+            for p, fn in providers.items():
+                graph_times[p], note = cudagraph_median_us(lambda f=fn: f(*args))
+                if note:
+                    graph_notes[p] = note
+        row = {
+            **asdict(case),
+            "floor_bytes": workload.floor_bytes,
+            "checked": True,
+            "time_us": times,
+            "bandwidth_gbps": {p: workload.floor_bytes / t / 1e3 for p, t in times.items()},
+            "pct_copy_bandwidth": 100 * workload.floor_bytes / times["stepops"] / 1e3 / copy_gbps,
+            "ratio_vs_stepops": {p: times[p] / times["stepops"] for p in ("naive", "compiled")},
+        }
+        if settings.device.type == "cuda":
+            row["cudagraph_time_us"] = graph_times
+            row["cudagraph_notes"] = graph_notes
+        rows.append(row)
+        log(f"  {name}/{case.name}: {times['stepops']:.1f} us ({time.perf_counter() - started:.1f} s)")
+
+    host = _host_cost(module, entry, cases[0], settings)
+    result = {"op": name, "floor": module.FLOOR, "cases": rows, "host_cost_us": host}
+    if hasattr(module, "extras") and not settings.tiny:
+        result["extras"] = module.extras(settings, median_us)
+    return result
+
+
+def _host_cost(module, entry, case: Case, settings: Settings) -> dict[str, Any]:
+    """One eager call of the custom op against calling its kernel function directly, on the smallest case."""
+    args = module.build(case, settings.device).args
+    kernel = entry.triton_kernel if settings.device.type == "cuda" else entry.torch_kernel
+    op_us = host_us(lambda: entry.overload(*args), settings)
+    kernel_us = host_us(lambda: kernel(*args), settings)
+    return {
+        "case": case.name,
+        "custom_op_us": op_us,
+        "kernel_function_us": kernel_us,
+        "dispatch_overhead_us": op_us - kernel_us,
+        "kernel_function": f"{kernel.__module__}.{kernel.__name__}",
+    }
+
+
+# --------------------------------------------------------------------------------------------------------
+# Machine, tables, files
+# --------------------------------------------------------------------------------------------------------
+
+
+def machine(settings: Settings) -> dict[str, Any]:
+    info = {
+        "device": str(settings.device),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "cpu": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "quick": settings.quick,
+        "compile_backend": settings.compile_backend,
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        # Other processes on a shared machine slow CPU figures down (and make OpenMP regions stall).
+        "load_average_1min": os.getloadavg()[0],
+    }
+    try:
+        with open("/proc/cpuinfo") as f:
+            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
+        if names:
+            info["cpu"] = names[0]
+    except OSError:
+        pass
+    if settings.device.type == "cuda":
+        import triton
+
+        info["gpu"] = torch.cuda.get_device_name(settings.device)
+        info["triton"] = triton.__version__
+    return info
+
+
+def _fmt(value: float | None, digits: int = 1) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def format_op_table(result: dict[str, Any]) -> str:
+    cuda = any("cudagraph_time_us" in r for r in result["cases"])
+    header = ["case", "R", "T", "floor KiB", "stepops us", "naive us", "compiled us"]
+    if cuda:
+        header += ["graph us"]
+    header += ["GB/s", "% copy", "naive/stepops", "compiled/stepops"]
+    rows = [header]
+    for r in result["cases"]:
+        t = r["time_us"]
+        row = [r["name"], str(r["num_requests"]), str(r["num_tokens"]), _fmt(r["floor_bytes"] / 1024),
+               _fmt(t["stepops"]), _fmt(t["naive"]), _fmt(t["compiled"])]
+        if cuda:
+            row.append(_fmt(r["cudagraph_time_us"].get("stepops")))
+        row += [_fmt(r["bandwidth_gbps"]["stepops"], 2), _fmt(r["pct_copy_bandwidth"]),
+                _fmt(r["ratio_vs_stepops"]["naive"], 2), _fmt(r["ratio_vs_stepops"]["compiled"], 2)]
+        rows.append(row)
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    lines = [f"{result['op']}  (floor: {result['floor']})"]
+    lines += ["  " + "  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in rows]
+    h = result["host_cost_us"]
+    lines.append(f"  host cost ({h['case']}): custom op {h['custom_op_us']:.1f} us, kernel function "
+                 f"{h['kernel_function_us']:.1f} us, dispatch {h['dispatch_overhead_us']:.1f} us")
+    for name, extra in result.get("extras", {}).items():
+        lines.append(f"  {name}: {extra['summary']}")
+    return "\n".join(lines)
+
+
+def write_csv(path: Path, results: Sequence[dict[str, Any]]) -> None:
+    fields = ["op", "case", "kind", "requests", "tokens", "floor_bytes", "provider", "time_us",
+              "cudagraph_time_us", "bandwidth_gbps", "ratio_vs_stepops"]
+    with open(path, "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(fields)
+        for result in results:
+            for r in result["cases"]:
+                for p in PROVIDERS:
+                    writer.writerow([
+                        result["op"], r["name"], r["kind"], r["num_requests"], r["num_tokens"], r["floor_bytes"],
+                        p, f"{r['time_us'][p]:.3f}",
+                        _fmt(r.get("cudagraph_time_us", {}).get(p), 3),
+                        f"{r['bandwidth_gbps'][p]:.4f}",
+                        "1" if p == "stepops" else f"{r['ratio_vs_stepops'][p]:.4f}",
+                    ])
+
+
+def write_plots(directory: Path, results: Sequence[dict[str, Any]]) -> list[Path]:
+    """One PNG per op: achieved bandwidth of each provider vs tokens per step. Needs matplotlib (optional)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
+    paths = []
+    for result in results:
+        fig, ax = plt.subplots(figsize=(7, 4))
+        for kind in sorted({r["kind"] for r in result["cases"]}):
+            rows = sorted((r for r in result["cases"] if r["kind"] == kind), key=lambda r: r["num_tokens"])
+            for p, style in zip(PROVIDERS, ("-o", "--s", ":^")):
+                ax.plot([r["num_tokens"] for r in rows], [r["bandwidth_gbps"][p] for r in rows], style,
+                        label=f"{p} ({kind})")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("tokens per step")
+        ax.set_ylabel("GB/s of the byte floor")
+        ax.set_title(result["op"])
+        ax.legend(fontsize=7)
+        path = directory / f"{result['op']}.png"
+        fig.tight_layout()
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
+def save(report: dict[str, Any], json_path: Path | None, log: Callable[[str], None]) -> None:
+    RESULTS_DIR.mkdir(exist_ok=True)
+    stem = f"{report['machine']['device'].split(':')[0]}{'-quick' if report['machine']['quick'] else ''}"
+    paths = [RESULTS_DIR / f"{stem}.json", RESULTS_DIR / f"{stem}.csv"]
+    text = json.dumps(report, indent=1)
+    paths[0].write_text(text)
+    write_csv(paths[1], report["ops"])
+    if json_path is not None:
+        json_path.write_text(text)
+        paths.append(json_path)
+    paths += write_plots(RESULTS_DIR, report["ops"])
+    log("wrote " + ", ".join(str(p) for p in paths))
