@@ -10,9 +10,9 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
-from stepops.cli import layout
+from stepops.cli import demo, layout
 
-_COMMANDS = (layout,)
+_COMMANDS = (layout, demo)
 
 
 def build_parser() -> argparse.ArgumentParser:

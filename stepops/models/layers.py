@@ -113,7 +113,7 @@ def masked_attention(
     q = query.float().view(num_tokens, num_kv_heads, num_heads // num_kv_heads, head_size)
     scores = torch.einsum("tkgd,tskd->tkgs", q, key.float()) * scale
     mask = allowed[:, None, None, :]
-    scores = scores.masked_fill(~mask, float("-inf"))
+    scores = scores.masked_fill(mask.logical_not(), float("-inf"))
     # A fully masked row would be NaN; give it a finite max so it softmaxes to zeros after the mask below.
     row_max = scores.amax(-1, keepdim=True).clamp(min=torch.finfo(torch.float32).min)
     weights = torch.exp(scores - row_max) * mask

@@ -166,7 +166,12 @@ class StepRunner:
             graph, out = self._graphs[size]
             graph.replay()
             return out
-        fn = self._compiled if self._compiled is not None else self.model
+        fn = self.model
+        if self._compiled is not None:
+            fn = self._compiled
+            # One graph for every capture size: T is symbolic from the first call on (sizes >= 2 only;
+            # see capture_sizes_for), instead of a static graph and a dynamic recompile.
+            torch._dynamo.mark_dynamic(hidden, 0, min=2, max=self.capture_sizes[-1])
         with torch.inference_mode():
             return fn(hidden, self.buffers)
 

@@ -1,0 +1,28 @@
+"""``python -m stepops demo [--json PATH]``: the main job (see :mod:`stepops.demo`)."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "demo",
+        help="run 2-layer Step5 and Inkling stacks through a multi-request workload, eager and compiled",
+        description="Run a 2-layer Step5 stack and a 2-layer Inkling stack through a scripted multi-request "
+        "workload (chunked prefill, decode, speculative verify with rejections), eagerly, compiled with "
+        "torch.compile(fullgraph=True) and, with a GPU, from CUDA graphs; check each run against a full "
+        "recompute without caches and print a table. Exits 1 when a check fails.",
+    )
+    parser.add_argument("--json", metavar="PATH", help="also write the per-model results as JSON")
+    parser.add_argument("--device", default="auto", help="auto (a GPU when present), cpu or cuda")
+    parser.add_argument(
+        "--backend", default="inductor", help="torch.compile backend for the compiled runs (default: inductor)"
+    )
+    parser.set_defaults(run=_run)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from stepops.demo import run_demo  # imports torch.compile machinery only when the demo runs
+
+    return run_demo(json_path=args.json, device=args.device, backend=args.backend)

@@ -1,0 +1,253 @@
+"""Whole layer steps under ``torch.compile(fullgraph=True)``: no graph break, one graph for every T >= 2,
+compiled == eager (outputs and caches), the stepops op calls of the graph, no whole-cache clone in
+Inductor's code, no CUDA-graph-incompatible node, and a Dynamo trace of the CUDA path with fake tensors.
+
+A "layer step" is ``model(hidden, buffers)`` of a one- or two-layer model: the per-token metadata are
+derived from the fixed-size step buffers inside the graph, then the layers run. Compiles are few and small
+(2 slow cores): ``aot_eager`` for tracing properties (bitwise equal to eager), Inductor once per model.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+import torch._dynamo
+import torch._dynamo.testing
+from expecttest import TestCase
+from torch._dynamo.backends.common import aot_autograd
+from torch._dynamo.utils import counters
+
+from stepops.models import InklingConfig, InklingModel, Step5Config, Step5Model
+from stepops.models.runner import ScheduledRequest, StepRunner
+from stepops.testing import TOLERANCES
+
+try:  # torch >= 2.12 keeps it in torch._inductor.utils; older releases in cudagraph_utils
+    from torch._inductor.utils import get_first_incompatible_cudagraph_node
+except ImportError:  # pragma: no cover - depends on the torch version
+    from torch._inductor.cudagraph_utils import get_first_incompatible_cudagraph_node
+
+MAX_TOKENS = 16
+
+
+def _make(model_cls, config, seed=0, device="cpu"):
+    """A model with its caches and a runner whose buffers feed it; same seed -> same weights and tables."""
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = model_cls(config)
+    runner = StepRunner(model, max_requests=3, max_model_len=48, max_tokens=MAX_TOKENS, device=device, seed=seed)
+    return model, runner
+
+
+def _schedule(runner: StepRunner, sizes: list[int], starts: list[int], seed: int) -> int:
+    """Fill the runner's buffers with requests of ``sizes`` new tokens at ``starts``; return padded T."""
+    gen = torch.Generator().manual_seed(seed)
+    hidden = runner.model.config.hidden_size
+    batch = [
+        ScheduledRequest(i, start, torch.randn(n, hidden, generator=gen).to(torch.bfloat16))
+        for i, (n, start) in enumerate(zip(sizes, starts))
+    ]
+    return runner.padded_size(runner._fill_buffers(batch))
+
+
+# Steps of one sequence of schedules: a prefill chunk of two requests, a verify step, a decode step, a
+# chunk that closes regions mid-step. Padded T: 16, 8, 2, 16 (plus an unpadded odd T = 5).
+_STEPS = [([9, 5], [0, 0]), ([4, 2], [9, 5]), ([1], [13]), ([7, 6, 1], [14, 7, 0]), ([5], [21])]
+
+
+def _run_steps(model, runner, fn, pad=True):
+    outs = []
+    for i, (sizes, starts) in enumerate(_STEPS):
+        size = _schedule(runner, sizes, starts, seed=i)
+        if not pad:
+            size = sum(sizes)
+        hidden = runner.hidden[:size]
+        if fn is not model:
+            torch._dynamo.mark_dynamic(hidden, 0, min=2, max=MAX_TOKENS)
+        with torch.inference_mode():
+            outs.append(fn(hidden, runner.buffers)[: sum(sizes)].clone())
+    return outs
+
+
+_MODELS = [
+    pytest.param(Step5Model, Step5Config(), id="step5"),
+    pytest.param(InklingModel, InklingConfig(), id="inkling"),
+]
+
+
+@pytest.mark.parametrize("model_cls, config", _MODELS)
+def test_fullgraph_one_graph_no_breaks_equal_to_eager(model_cls, config):
+    eager_model, eager_runner = _make(model_cls, config)
+    model, runner = _make(model_cls, config)
+    counters.clear()
+    backend = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(model, backend=backend, fullgraph=True)
+    want = _run_steps(eager_model, eager_runner, eager_model)
+    got = _run_steps(model, runner, compiled)
+    assert backend.frame_count == 1, f"{backend.frame_count} graphs for T in 16, 8, 2, 16, 5"
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    for a, b in zip(model.cache_tensors(), eager_model.cache_tensors()):
+        assert torch.equal(a, b)
+
+
+def test_token_count_one_compiles_a_second_graph():
+    """Dynamo specialises sizes 0 and 1: a T = 1 step is its own graph (one recompile), still correct.
+
+    The runner never runs T = 1: its smallest capture size is 2 (a lone decode token is padded)."""
+    eager_model, eager_runner = _make(InklingModel, InklingConfig(layer_types=("global",)))
+    model, runner = _make(InklingModel, InklingConfig(layer_types=("global",)))
+    backend = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(model, backend=backend, fullgraph=True)
+    for fn, r in ((compiled, runner), (eager_model, eager_runner)):
+        _schedule(r, [3], [0], seed=0)
+        hidden = r.hidden[:4]
+        if fn is compiled:
+            torch._dynamo.mark_dynamic(hidden, 0, min=2, max=MAX_TOKENS)
+        with torch.inference_mode():
+            fn(hidden, r.buffers)
+        _schedule(r, [1], [3], seed=1)
+        with torch.inference_mode():
+            out = fn(r.hidden[:1], r.buffers)
+        if fn is compiled:
+            got = out
+    assert backend.frame_count == 2
+    assert torch.equal(got, out)
+
+
+def _stepops_calls(gm: torch.fx.GraphModule) -> list[str]:
+    return [str(n.target) for n in gm.graph.nodes if n.op == "call_function" and "stepops" in str(n.target)]
+
+
+class TestGraphContents(TestCase):
+    def test_op_calls_in_the_captured_graph(self):
+        """The stepops ops each layer step calls, in program order (Dynamo's graph)."""
+        lines = []
+        for model_cls, config in ((Step5Model, Step5Config()), (InklingModel, InklingConfig())):
+            model, runner = _make(model_cls, config)
+            graphs = []
+
+            def record(gm, example_inputs):
+                graphs.append(gm)
+                return gm
+
+            size = _schedule(runner, [5, 3], [0, 0], seed=0)
+            with torch.inference_mode():
+                torch.compile(model, backend=record, fullgraph=True)(runner.hidden[:size], runner.buffers)
+            lines.append(f"{model_cls.__name__}: " + ", ".join(_stepops_calls(graphs[0])))
+        self.assertExpectedInline(
+            "\n".join(lines),
+            """\
+Step5Model: stepops.paged_kv_write.default, stepops.paged_kv_write.default, stepops.csa_ring_update
+InklingModel: stepops.sconv.default, stepops.sconv.default, stepops.paged_kv_write.default, stepops.sconv.default, stepops.sconv.default, stepops.sconv.default, stepops.sconv.default, stepops.paged_kv_write.default, stepops.sconv.default, stepops.sconv.default""",
+        )
+
+    def test_no_cudagraph_incompatible_node(self):
+        for model_cls, config in ((Step5Model, Step5Config()), (InklingModel, InklingConfig())):
+            model, runner = _make(model_cls, config)
+            found = []
+
+            def inspect(gm, example_inputs):
+                found.append(get_first_incompatible_cudagraph_node(gm))
+                return gm
+
+            size = _schedule(runner, [6, 3], [0, 2], seed=0)
+            hidden = runner.hidden[:size]
+            torch._dynamo.mark_dynamic(hidden, 0, min=2, max=MAX_TOKENS)
+            with torch.inference_mode():
+                torch.compile(model, backend=aot_autograd(fw_compiler=inspect), fullgraph=True)(hidden, runner.buffers)
+            assert found == [None], f"{model_cls.__name__}: {found}"
+
+
+def _cache_shapes(model) -> set[str]:
+    return {"(" + ", ".join(map(str, t.shape)) + ")" for t in model.cache_tensors()}
+
+
+@pytest.mark.parametrize(
+    "model_cls, config",
+    [
+        pytest.param(Step5Model, Step5Config(layer_types=("csa",)), id="step5_csa"),
+        pytest.param(InklingModel, InklingConfig(layer_types=("sliding",)), id="inkling_sliding"),
+    ],
+)
+def test_inductor_runs_in_place_and_equals_eager(model_cls, config):
+    from torch._inductor.utils import run_and_get_code
+
+    eager_model, eager_runner = _make(model_cls, config)
+    model, runner = _make(model_cls, config)
+    size = _schedule(runner, [9, 4], [0, 3], seed=0)
+    _schedule(eager_runner, [9, 4], [0, 3], seed=0)
+    hidden = runner.hidden[:size]
+    torch._dynamo.mark_dynamic(hidden, 0, min=2, max=MAX_TOKENS)
+    caches_before = [t.data_ptr() for t in model.cache_tensors()]
+    with torch.inference_mode():
+        want = eager_model(eager_runner.hidden[:size], eager_runner.buffers)
+        got, codes = run_and_get_code(torch.compile(model, fullgraph=True), hidden, runner.buffers)
+    code = "\n".join(codes)
+    # A whole-cache clone would allocate a buffer of a cache's shape (and copy it back afterwards).
+    for shape in _cache_shapes(model):
+        assert not re.search(r"empty_strided\w*\(" + re.escape(shape), code), f"cache-sized buffer {shape} in code"
+    assert [t.data_ptr() for t in model.cache_tensors()] == caches_before
+    assert "stepops" in code  # the ops are called from the generated code, on the caches themselves
+    # Inductor fuses norms, rope and softmax into kernels that sum in other orders, so a bf16-rounded stage
+    # may land one ulp apart (about 20-30% of elements here): the documented tolerance, not bitwise.
+    tol = TOLERANCES["model_vs_recompute"]
+    torch.testing.assert_close(got, want, atol=tol.atol, rtol=tol.rtol)
+    for a, b in zip(model.cache_tensors(), eager_model.cache_tensors()):
+        torch.testing.assert_close(a, b, atol=tol.atol, rtol=tol.rtol)
+
+
+def _getitem_through_the_dispatcher(self, index):
+    """``Tensor.__getitem__`` as aten ops (select, slice, unsqueeze, index), for fake CUDA tensors.
+
+    On a CPU-only wheel, Python indexing of a CUDA tensor (even a fake one) fails before dispatch: the
+    binding takes a CUDA device guard, which the wheel lacks ("PyTorch is not linked with support for cuda
+    devices"). The same indexing lowered to aten ops goes through the dispatcher, where FakeTensorMode
+    handles it. Basic and advanced integer indexing only, which is all the traced code uses.
+    """
+    index = index if isinstance(index, tuple) else (index,)
+    consumed = sum(1 for i in index if i is not None and i is not Ellipsis)
+    out, dim, tensors = self, 0, {}
+    for item in index:
+        if item is Ellipsis:
+            dim += self.dim() - consumed
+        elif item is None:
+            out = out.unsqueeze(dim)
+            dim += 1
+        elif isinstance(item, (int, torch.SymInt)):
+            out = out.select(dim, item)
+        elif isinstance(item, slice):
+            out = torch.ops.aten.slice.Tensor(out, dim, item.start, item.stop, item.step or 1)
+            dim += 1
+        elif isinstance(item, torch.Tensor) and item.dtype != torch.bool:
+            tensors[dim] = item
+            dim += 1
+        else:
+            raise TypeError(f"unsupported index {item!r}")
+    if tensors:
+        out = torch.ops.aten.index.Tensor(out, [tensors.get(d) for d in range(max(tensors) + 1)])
+    return out
+
+
+def test_fake_cuda_trace_has_no_graph_break(monkeypatch):
+    """Dynamo traces the CUDA code path (cuda fake tensors on a CPU-only wheel) with no graph break."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    if not torch.cuda.is_available():
+        monkeypatch.setattr(torch.Tensor, "__getitem__", _getitem_through_the_dispatcher)
+    for model_cls, config in ((Step5Model, Step5Config()), (InklingModel, InklingConfig())):
+        counters.clear()
+        backend = torch._dynamo.testing.CompileCounter()
+        model = model_cls(config)  # real CPU weights: random init has no fake CUDA kernel
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            model.to_empty(device="cuda")
+            runner = StepRunner(model, max_requests=3, max_model_len=48, max_tokens=MAX_TOKENS, device="cuda")
+            # The buffers keep their initial (padding-only) values: a host -> fake-CUDA copy has no kernel
+            # on this wheel, and tracing needs only shapes.
+            with torch.inference_mode():
+                out = torch.compile(model, backend=backend, fullgraph=True)(runner.hidden[:8], runner.buffers)
+        assert out.device.type == "cuda"
+        assert backend.frame_count == 1 and not counters["graph_break"]
+        torch._dynamo.reset()

@@ -1,0 +1,66 @@
+"""CUDA graphs: a decode step of both models captured with ``torch.cuda.CUDAGraph`` and compiled with
+``mode="reduce-overhead"``; replays equal eager. These need a GPU and skip without one (CPU CI covers the
+proxies in test_compile.py: no CUDA-graph-incompatible node, fake-CUDA trace)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from stepops.models import InklingConfig, InklingModel, Step5Config, Step5Model
+from stepops.models.runner import CUDA_GRAPH, EAGER, ScheduledRequest, StepRunner
+from stepops.testing import TOLERANCES
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+
+_MODELS = [pytest.param(Step5Model, Step5Config(), id="step5"), pytest.param(InklingModel, InklingConfig(), id="inkling")]
+
+
+def _steps(hidden_size: int):
+    """A prefill of two requests, then three decode steps (two requests: T = 2 after padding)."""
+    gen = torch.Generator().manual_seed(0)
+
+    def rows(n):
+        return torch.randn(n, hidden_size, generator=gen).to(torch.bfloat16)
+
+    yield [ScheduledRequest(0, 0, rows(11)), ScheduledRequest(1, 0, rows(5))]
+    for i in range(3):
+        yield [ScheduledRequest(0, 11 + i, rows(1)), ScheduledRequest(1, 5 + i, rows(1))]
+
+
+def _make(model_cls, config, mode):
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = model_cls(config)
+    return model, StepRunner(model, max_requests=2, max_model_len=32, max_tokens=16, device="cuda", mode=mode)
+
+
+@pytest.mark.parametrize("model_cls, config", _MODELS)
+def test_cuda_graph_replay_equals_eager(model_cls, config):
+    eager_model, eager = _make(model_cls, config, EAGER)
+    graph_model, graphed = _make(model_cls, config, CUDA_GRAPH)
+    graphed.warm_up()  # captures every size from padding-only steps, which write nothing
+    for batch in _steps(config.hidden_size):
+        for a, b in zip(graphed.step(batch), eager.step(batch)):
+            assert torch.equal(a, b)  # same kernels, same order: bitwise
+    for a, b in zip(graph_model.cache_tensors(), eager_model.cache_tensors()):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("model_cls, config", _MODELS)
+def test_reduce_overhead_replay_equals_eager_without_cudagraph_skips(model_cls, config):
+    eager_model, eager = _make(model_cls, config, EAGER)
+    model, runner = _make(model_cls, config, EAGER)
+    for cache in model.cache_tensors():
+        torch._dynamo.mark_static_address(cache)  # written in place by the ops: must keep its address
+    runner._compiled = torch.compile(model, mode="reduce-overhead", fullgraph=True)
+    counters.clear()
+    tol = TOLERANCES["model_vs_recompute"]
+    # Three decode steps of one shape: cudagraph trees warm up, record, then replay it.
+    for batch in _steps(config.hidden_size):
+        for a, b in zip(runner.step(batch), eager.step(batch)):
+            torch.testing.assert_close(a, b, atol=tol.atol, rtol=tol.rtol)
+    assert not counters["inductor"]["cudagraph_skips"], dict(counters["inductor"])
+    for a, b in zip(model.cache_tensors(), eager_model.cache_tensors()):
+        torch.testing.assert_close(a, b, atol=tol.atol, rtol=tol.rtol)
