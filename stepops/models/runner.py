@@ -242,7 +242,7 @@ class WorkloadResult:
     steps: int = 0
     tokens: int = 0
     seconds: float = 0.0
-    verify_steps: int = 0
+    verify_turns: int = 0  # (request, step) pairs that verified drafts
     rejected_tokens: int = 0
     extra: dict = field(default_factory=dict)
 
@@ -283,7 +283,7 @@ def run_workload(runner: StepRunner, workload: Workload, hidden_size: int) -> Wo
                 if rows.shape[0] < count:  # drafts past the request's end: pad with garbage
                     rows = torch.cat([rows, garbage[rows.shape[0] :]])
                 if verify:
-                    result.verify_steps += 1
+                    result.verify_turns += 1
                     result.rejected_tokens += count - commit
             budget -= count
             batch.append(ScheduledRequest(i, c, rows))

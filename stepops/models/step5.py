@@ -51,7 +51,7 @@ class Step5Config:
     head_dim: int = 16
     intermediate_size: int = 128
     sliding_window: int = 16
-    index_num_heads: int = 4
+    index_num_heads: int = 16  # as in Step5: with few heads, all-zero relu scores tie often
     index_proxy_dim: int = 256
     index_rope_dim: int = 32
     index_top_k: int = 2  # regions of 8 tokens selected per query, besides its own

@@ -51,7 +51,7 @@ def test_incremental_matches_full_recompute(model_cls, config):
         model, max_requests=4, max_model_len=workload.max_len, max_tokens=workload.token_budget, device=_device()
     )
     result = run_workload(runner, workload, config.hidden_size)
-    assert result.verify_steps > 0 and result.rejected_tokens > 0  # the workload exercises rollback
+    assert result.verify_turns > 0 and result.rejected_tokens > 0  # the workload exercises rollback
     _assert_matches_recompute(model, result)
 
 
