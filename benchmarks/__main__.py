@@ -1,6 +1,6 @@
 """``python -m benchmarks``: every stepops op (and decoder layer step) against its byte floor and baselines.
 
-    python -m benchmarks [--quick] [--json PATH] [--ops NAME ...] [--no-layers]
+    python -m benchmarks [--quick] [--json PATH] [--ops NAME ...] [--layers | --no-layers]
     python -m benchmarks static          # the GPU-build table (registers, spills, load widths) + bytes/launch
 
 Run from the repository root, or from anywhere as ``python path/to/benchmarks ...``. Results go to
@@ -35,7 +35,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--tiny", action="store_true", help="one smallest case per op, no extras or layers (smoke test)")
     parser.add_argument("--json", type=Path, default=None, help="also write the JSON report to PATH")
     parser.add_argument("--ops", nargs="+", choices=OP_MODULES, default=list(OP_MODULES), help="ops to run")
-    parser.add_argument("--no-layers", action="store_true", help="skip the decoder layer steps")
+    layers = parser.add_mutually_exclusive_group()
+    layers.add_argument("--layers", action="store_true", help="time decoder layer steps also with --quick")
+    layers.add_argument("--no-layers", action="store_true", help="skip the decoder layer steps")
     parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     parser.add_argument("--threads", type=int, default=1,
                         help="CPU threads (default 1: on a shared machine more threads stall in OpenMP barriers)")
@@ -69,7 +71,8 @@ def main(argv: list[str] | None = None) -> int:
         result = harness.run_op(name, settings, copy_gbps, _log)
         report["ops"].append(result)
         print(harness.format_op_table(result), flush=True)
-    if not (args.no_layers or args.tiny):
+    # Compiling two decoder models costs ~50 s on a 2-core CPU: off in --quick unless asked for.
+    if args.layers or not (args.no_layers or args.quick or args.tiny):
         from benchmarks.bench_layers import format_layers, run_layers
 
         report["layers"] = run_layers(settings, _log)

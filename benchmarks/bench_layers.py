@@ -1,0 +1,103 @@
+"""Decoder layer steps: eager vs ``torch.compile(fullgraph=True)`` vs CUDA-graph replay (GPU only).
+
+Each model (Step5: a sliding-window and a CSA layer; Inkling: a sliding-window and a global layer) runs
+through ``stepops.models.runner.StepRunner``, one runner per mode, built from the same seed (same weights,
+same block tables). Two times per case: ``step`` is the runner's public ``step`` (host-side schedule copy
+into the fixed device buffers, then the forward), ``forward`` is the forward alone on filled buffers,
+which is what CUDA-graph replay replaces. The first step's outputs of each mode are compared with eager
+(reported, not asserted: the model tests own that check). Skipped, with the reason, when
+``stepops.models`` has no step runner.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from benchmarks.harness import Settings, median_us
+
+
+def _configs(settings: Settings):
+    from stepops.models import InklingConfig, InklingModel, Step5Config, Step5Model
+
+    if settings.quick or settings.device.type == "cpu":
+        return [("step5", Step5Model, Step5Config()), ("inkling", InklingModel, InklingConfig())]
+    # A mid-sized shape for GPUs: big enough that the ops move real bytes, small enough to compile fast.
+    shape = dict(hidden_size=1024, num_heads=8, num_kv_heads=2, head_dim=128, intermediate_size=2816)
+    return [("step5", Step5Model, Step5Config(**shape)), ("inkling", InklingModel, InklingConfig(**shape))]
+
+
+def _cases(settings: Settings) -> list[tuple[str, int, int]]:
+    """``(name, requests, tokens per request)``."""
+    if settings.quick:
+        return [("decode_r1", 1, 1), ("decode_r16", 16, 1), ("verify_k3_r4", 4, 4)]
+    return [("decode_r1", 1, 1), ("decode_r16", 16, 1), ("decode_r64", 64, 1), ("verify_k3_r16", 16, 4)]
+
+
+def run_layers(settings: Settings, log: Callable[[str], None]) -> dict[str, Any]:
+    try:
+        from stepops.models.runner import COMPILED, CUDA_GRAPH, EAGER, ScheduledRequest, StepRunner
+    except ImportError as error:
+        return {"skipped": f"stepops.models has no step runner ({error})"}
+    device = settings.device
+    modes = [EAGER, COMPILED] + ([CUDA_GRAPH] if device.type == "cuda" else [])
+    cases = _cases(settings)
+    max_requests = max(r for _, r, _ in cases)
+    max_tokens = max(r * n for _, r, n in cases)
+    prior = 100  # every request sits past a few regions and conv blocks
+    results: dict[str, Any] = {"models": []}
+    for model_name, model_cls, config in _configs(settings):
+        gen = torch.Generator().manual_seed(0)
+        batches = {
+            name: [
+                ScheduledRequest(i, prior + i, torch.randn(n, config.hidden_size, generator=gen).to(torch.bfloat16))
+                for i in range(r)
+            ]
+            for name, r, n in cases
+        }
+        rows = {name: {"case": name, "requests": r, "tokens": r * n} for name, r, n in cases}
+        first_outputs: dict[str, list[torch.Tensor]] = {}
+        for mode in modes:
+            log(f"  layers/{model_name}: {mode}")
+            torch.manual_seed(0)
+            with torch.device(device):
+                model = model_cls(config)
+            runner = StepRunner(model, max_requests=max_requests, max_model_len=prior + max_requests + 8,
+                                max_tokens=max_tokens, device=device, mode=mode,
+                                compile_backend=settings.compile_backend)
+            runner.warm_up()
+            for name, batch in batches.items():
+                outputs = runner.step(batch)
+                if name == cases[0][0]:
+                    first_outputs[mode] = [o.float().cpu() for o in outputs]
+                row = rows[name]
+                row[f"{mode}_step_us"] = median_us(lambda: runner.step(batch), settings)
+                size = runner.padded_size(row["tokens"])
+                runner._fill_buffers(batch)
+                row[f"{mode}_forward_us"] = median_us(lambda: runner._run(size), settings)
+            del runner, model
+        for mode in modes[1:]:
+            diff = max((a - b).abs().max().item() for a, b in zip(first_outputs[mode], first_outputs[EAGER]))
+            results.setdefault("max_abs_diff_vs_eager", {})[f"{model_name}/{mode}"] = diff
+        results["models"].append({"model": model_name, "config": repr(config), "modes": modes,
+                                   "cases": list(rows.values())})
+    return results
+
+
+def format_layers(results: dict[str, Any]) -> str:
+    if "skipped" in results:
+        return f"layers: skipped ({results['skipped']})"
+    lines = ["decoder layer steps (us; step = host schedule copy + forward, forward = forward alone)"]
+    for model in results["models"]:
+        header = ["case", "R", "T"] + [f"{m} {what}" for m in model["modes"] for what in ("step", "fwd")]
+        rows = [header]
+        for c in model["cases"]:
+            rows.append([c["case"], str(c["requests"]), str(c["tokens"])] + [
+                f"{c[f'{m}_{what}_us']:.1f}" for m in model["modes"] for what in ("step", "forward")])
+        widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+        lines.append(f"{model['model']}")
+        lines += ["  " + "  ".join(v.rjust(w) for v, w in zip(r, widths)) for r in rows]
+    diffs = ", ".join(f"{k} {v:.3g}" for k, v in results.get("max_abs_diff_vs_eager", {}).items())
+    lines.append(f"  first-step max |output - eager|: {diffs}")
+    return "\n".join(lines)
