@@ -1,0 +1,98 @@
+"""The benchmark harness: a smoke run on a tiny configuration, the byte floors, and the baseline guard.
+
+Timings are never asserted. The smoke run uses the ``aot_eager`` compile backend (Dynamo and AOTAutograd
+trace the PyTorch kernels as with Inductor, without C++ code generation) to keep this test in seconds.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # benchmarks/ is a top-level folder of the checkout, not part of the package
+
+from benchmarks import harness  # noqa: E402
+from benchmarks.steps import decode  # noqa: E402
+
+OPS = ("csa_ring_update", "paged_kv_write", "sconv")
+
+
+def test_every_op_has_a_benchmark():
+    from stepops._library import registered_ops
+
+    assert sorted(e.name for e in registered_ops()) == sorted(harness.OP_MODULES)
+    for name in harness.OP_MODULES:
+        assert (ROOT / "benchmarks" / f"bench_{name}.py").is_file()
+
+
+def test_tiny_run_writes_every_op_with_floor_times_and_both_ratios(tmp_path):
+    out = tmp_path / "out.json"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    # Another directory as cwd: the harness must run as `python path/to/benchmarks`.
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks"), "--tiny", "--compile-backend", "aot_eager", "--json", str(out)],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["copy_bandwidth_gbps"] > 0
+    assert sorted(r["op"] for r in report["ops"]) == sorted(OPS)
+    for result in report["ops"]:
+        assert result["floor"]
+        assert result["host_cost_us"]["custom_op_us"] > 0 and result["host_cost_us"]["kernel_function_us"] > 0
+        assert result["cases"]
+        for case in result["cases"]:
+            assert case["checked"] is True
+            assert case["floor_bytes"] > 0
+            assert set(case["time_us"]) == {"stepops", "naive", "compiled"}
+            assert all(t > 0 for t in case["time_us"].values())
+            assert set(case["ratio_vs_stepops"]) == {"naive", "compiled"}
+            assert all(r > 0 for r in case["ratio_vs_stepops"].values())
+    for line in (f"{op}  (floor:" for op in OPS):
+        assert line in run.stdout
+
+
+def test_floors_counted_by_hand():
+    """One decode token at position 1023 (the first request of every decode case)."""
+    cpu = torch.device("cpu")
+    # paged_kv_write: one int32 slot; 8 heads x (128 + 128) bf16 read, the same written.
+    assert harness.load_module("paged_kv_write").build(decode(1), cpu).floor_bytes == 4 + 2 * 8 * 256 * 2
+    # sconv, K stream, 1024 channels, W = 4: x, weight [1024, 4], 4 int32 metadata, 3 history rows and one
+    # block-table entry (positions 1020..1022 share a block of N = 4), y, the stored row.
+    row = 1024 * 2
+    assert harness.load_module("sconv").build(decode(1), cpu).floor_bytes == row + 1024 * 4 * 2 + 16 + 3 * row + 4 + row + row
+    # csa_ring_update, P = 256: the token's row, 5 int32 metadata, 7 replayed ring rows (positions
+    # 1016..1022), the stored row, one bf16 summary of 256.
+    ring_row = 2 * 256 * 2
+    assert harness.load_module("csa_ring_update").build(decode(1), cpu).floor_bytes == (
+        ring_row + 20 + 7 * ring_row + ring_row + 256 * 2
+    )
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_a_wrong_baseline_is_refused(op):
+    """The guard that keeps a wrong baseline out of the tables: a naive kernel that skips the last token."""
+    module = harness.load_module(op)
+    entry = harness._entry(op)
+    case = decode(16)
+    want = harness.state_after(entry.overload, entry.overload, module.build(case, torch.device("cpu")))
+    assert harness.state_after(entry.overload, module.naive, module.build(case, torch.device("cpu"))).keys() == want.keys()
+
+    def is_metadata(a):  # every op's per-token metadata: [T] int32
+        return isinstance(a, torch.Tensor) and a.dtype == torch.int32 and a.shape == (case.num_tokens,)
+
+    def wrong(*args):
+        # Marking the last token as padding in every metadata tensor makes the baseline skip it.
+        args = [a.clone() if is_metadata(a) else a for a in args]
+        for a in filter(is_metadata, args):
+            a[-1] = -1
+        return module.naive(*args)
+
+    got = harness.state_after(entry.overload, wrong, module.build(case, torch.device("cpu")))
+    with pytest.raises(AssertionError, match="differs from the stepops op|outside its tolerance"):
+        harness.check_equal(op, "naive", got, want, getattr(module, "TOLERANCES", {}))
