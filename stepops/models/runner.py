@@ -17,7 +17,7 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -244,7 +244,6 @@ class WorkloadResult:
     seconds: float = 0.0
     verify_turns: int = 0  # (request, step) pairs that verified drafts
     rejected_tokens: int = 0
-    extra: dict = field(default_factory=dict)
 
 
 def run_workload(runner: StepRunner, workload: Workload, hidden_size: int) -> WorkloadResult:

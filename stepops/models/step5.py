@@ -202,7 +202,7 @@ class Step5Model(nn.Module):
         self.config = config
         self.static_forward_context: dict[str, Any] = {}
         self.layers = nn.ModuleList(
-            Step5DecoderLayer(config, i, static_forward_context=self.static_forward_context)
+            Step5DecoderLayer(config, i, static_forward_context=self.static_forward_context, dtype=dtype)
             for i in range(len(config.layer_types))
         )
         self.summary_block_size = 16  # regions per summary-cache block
