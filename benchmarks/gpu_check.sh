@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One prepared GPU check: every GPU test, op timings, the demo; one GPU, no network, under 6 minutes.
 #   benchmarks/gpu_check.sh [OUT_DIR]      (OUT_DIR defaults to ./gpu_check_out)
-# Prints a summary table at the end; exits non-zero when any part failed. Other benchmark modules may
-# append their own parts below (keep each part under its own timeout so the total stays under 6 minutes).
+# Prints a summary table at the end; exits non-zero when any part failed. The parts' limits add up to
+# 350 s; other benchmark modules may append parts (each under its own limit; keep the sum under 6 minutes).
 set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
@@ -33,11 +33,11 @@ cat "$out/env.txt"
 
 # Every test runs on the GPU: op tests compare the real Triton kernels with the PyTorch kernels, model tests
 # run the CUDA-graph captures and reduce-overhead replays, which skip on CPU.
-part gpu_tests 300 "$py" -m pytest -q -x -p no:cacheprovider tests/ops tests/models tests/test_opcheck.py \
+part gpu_tests 180 "$py" -m pytest -q -x -p no:cacheprovider tests/ops tests/models tests/test_opcheck.py \
     --junitxml="$out/gpu_tests.xml"
 
 # Op timings: each op's samples, CUDA-event timed, median of 50 launches after 5 warm-ups.
-part op_timings 60 "$py" - "$out/op_timings.json" <<'PY'
+part op_timings 30 "$py" - "$out/op_timings.json" <<'PY'
 import json, sys, torch
 import stepops
 from stepops.testing import op_samples
@@ -57,7 +57,7 @@ for sample in op_samples("cuda"):
 json.dump(rows, open(sys.argv[1], "w"), indent=2)
 PY
 
-part demo 240 "$py" -m stepops demo --json "$out/demo.json"
+part demo 140 "$py" -m stepops demo --json "$out/demo.json"
 
 echo
 echo "=== summary ($out)"
