@@ -79,8 +79,10 @@ def main(argv: list[str] | None = None) -> int:
         print(format_layers(report["layers"]), flush=True)
     report["wall_s"] = time.perf_counter() - started
     harness.save(report, args.json, _log)
-    _log(f"done in {report['wall_s']:.0f} s")
-    return 0
+    failed = [f"{r['op']}/{c['name']}/{p}" for r in report["ops"] for c in r["cases"]
+              for p, ok in c["checked"].items() if ok is not True]
+    _log(f"done in {report['wall_s']:.0f} s" + (f"; baselines that failed their check: {failed}" if failed else ""))
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

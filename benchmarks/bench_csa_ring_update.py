@@ -23,7 +23,11 @@ FLOOR = (
 )
 # The naive baseline computes the textbook softmax(z) . k in fp32, not the op's fixed-order online fold:
 # both round once to bf16, so they may differ by one bf16 ulp.
-TOLERANCES = {("naive", "summary_cache"): TOLERANCES["csa_ring_summary_bf16_vs_bf16"]}
+# On a GPU, Inductor's Triton code for the compiled kernel may contract the fold's multiply-adds into FMAs.
+TOLERANCES = {
+    ("naive", "summary_cache"): TOLERANCES["csa_ring_summary_bf16_vs_bf16"],
+    ("compiled", "summary_cache", "cuda"): TOLERANCES["csa_ring_summary_bf16_vs_bf16"],
+}
 
 PROXY_DIM, CAPACITY = 256, 72
 

@@ -47,7 +47,7 @@ def test_tiny_run_writes_every_op_with_floor_times_and_both_ratios(tmp_path):
         assert result["host_cost_us"]["custom_op_us"] > 0 and result["host_cost_us"]["kernel_function_us"] > 0
         assert result["cases"]
         for case in result["cases"]:
-            assert case["checked"] is True
+            assert case["checked"] == {"naive": True, "compiled": True}
             assert case["floor_bytes"] > 0
             assert set(case["time_us"]) == {"stepops", "naive", "compiled"}
             assert all(t > 0 for t in case["time_us"].values())
