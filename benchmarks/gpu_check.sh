@@ -59,6 +59,10 @@ PY
 
 part demo 140 "$py" -m stepops demo --json "$out/demo.json"
 
+# Every op against its byte floor, naive and compiled baselines, CUDA-graph replay; decoder layer steps
+# eager/compiled/graph (python -m benchmarks; docs/performance.md). Adds 170 s to the limits above.
+part benchmarks 170 "$py" -m benchmarks --quick --layers --json "$out/benchmarks.json"
+
 echo
 echo "=== summary ($out)"
 printf "%-14s %-12s %8s\n" part status seconds
