@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # One prepared GPU check: every GPU test, op timings, the demo; one GPU, no network, under 6 minutes.
-#   benchmarks/gpu_check.sh [OUT_DIR]      (OUT_DIR defaults to ./gpu_check_out)
+#   benchmarks/gpu_check.sh [OUT_DIR]      (OUT_DIR defaults to benchmarks/results/gpu_check, git-ignored)
 # Prints a summary table at the end; exits non-zero when any part failed. The parts' limits add up to
 # 350 s; other benchmark modules may append parts (each under its own limit; keep the sum under 6 minutes).
 set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
-out="${1:-$root/gpu_check_out}"
+out="${1:-$root/benchmarks/results/gpu_check}"
 mkdir -p "$out"
 py="${PYTHON:-python}"
 [ -x "$root/.venv/bin/python" ] && [ -z "${PYTHON:-}" ] && py="$root/.venv/bin/python"
