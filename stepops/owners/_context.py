@@ -1,4 +1,6 @@
-"""The forward context: the name -> layer mapping every owner registers itself in.
+"""What every owner shares: the forward context it registers in, and the cache geometry of its backend.
+
+The forward context is the name -> layer mapping every owner registers itself in.
 
 An engine keeps one such mapping per model (vLLM's ``static_forward_context``); stepops takes it as an
 explicit argument so the owners need no engine. The allocator walks it to find every layer with a cache.
@@ -21,3 +23,32 @@ def register_layer(prefix: str, layer: object, static_forward_context: MutableMa
     if prefix in static_forward_context:
         raise ValueError(f"Duplicate layer name: {prefix}")
     static_forward_context[prefix] = layer
+
+
+class BlockStridedBackend:
+    """Cache geometry shared by the stepops backends: blocks outermost, one page per block.
+
+    Blocks are read through ``stride(0)`` of a torch view, so a page padded by the unifier is strided past
+    and its padding is never touched; the physical layout is the logical one. Subclasses name themselves
+    and may reorder the other dims (:class:`stepops.owners.InklingSconvBackend` is head-major).
+    """
+
+    @classmethod
+    def indexes_kv_by_block_stride(cls) -> bool:
+        return True
+
+    @staticmethod
+    def get_kv_cache_shape(
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_size: int,
+        cache_dtype_str: str = "auto",
+    ) -> tuple[int, ...]:
+        """NHD: ``(num_blocks, block_size, num_kv_heads, head_size)``."""
+        return (num_blocks, block_size, num_kv_heads, head_size)
+
+    @staticmethod
+    def get_kv_cache_stride_order(include_num_layers_dimension: bool = False) -> tuple[int, ...]:
+        """Identity: physical layout == logical layout."""
+        return (0, 1, 2, 3, 4) if include_num_layers_dimension else (0, 1, 2, 3)

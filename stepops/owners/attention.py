@@ -13,11 +13,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from stepops.owners._context import register_layer
+from stepops.owners._context import BlockStridedBackend, register_layer
 from stepops.specs import AttentionSpec, FullAttentionSpec, SlidingWindowSpec
 
 
-class PagedAttentionBackend:
+class PagedAttentionBackend(BlockStridedBackend):
     """Cache geometry of :class:`PagedAttentionLayer`: NHD ``[num_blocks, N, H, D_k + D_v]``.
 
     K and V of a token sit side by side in the last dimension (``[..., :head_size]`` is K,
@@ -27,28 +27,6 @@ class PagedAttentionBackend:
     @staticmethod
     def get_name() -> str:
         return "STEPOPS_PAGED_ATTENTION"
-
-    @classmethod
-    def indexes_kv_by_block_stride(cls) -> bool:
-        # Blocks are the outermost dim of a torch view, so a padded page is read through stride(0):
-        # indexing the view (or passing its strides to a kernel) never touches the padding.
-        return True
-
-    @staticmethod
-    def get_kv_cache_shape(
-        num_blocks: int,
-        block_size: int,
-        num_kv_heads: int,
-        head_size: int,
-        cache_dtype_str: str = "auto",
-    ) -> tuple[int, ...]:
-        """``(num_blocks, block_size, num_kv_heads, head_size)``; ``head_size`` is the packed K + V width."""
-        return (num_blocks, block_size, num_kv_heads, head_size)
-
-    @staticmethod
-    def get_kv_cache_stride_order(include_num_layers_dimension: bool = False) -> tuple[int, ...]:
-        """Identity: the physical layout is the logical one."""
-        return (0, 1, 2, 3, 4) if include_num_layers_dimension else (0, 1, 2, 3)
 
 
 class PagedAttentionLayer(nn.Module):

@@ -16,7 +16,7 @@ from torch import nn
 
 from stepops.layouts import InklingConvStateLayout, InklingStream
 from stepops.ops.sconv import SconvMetadata, build_sconv_metadata, sconv
-from stepops.owners._context import register_layer
+from stepops.owners._context import BlockStridedBackend, register_layer
 from stepops.specs import SlidingWindowSpec
 
 
@@ -40,18 +40,12 @@ class InklingSconvMetadataBuilder:
         return build_sconv_metadata(query_start_loc, seq_lens, block_table, self.block_size, num_tokens)
 
 
-class InklingSconvBackend:
+class InklingSconvBackend(BlockStridedBackend):
     """Custom dummy backend for the sconv sliding-window cache management."""
 
     @staticmethod
     def get_name() -> str:
         return "INKLING_SCONV_SWA"
-
-    @classmethod
-    def indexes_kv_by_block_stride(cls) -> bool:
-        # num_blocks is the outermost dim (HND, see get_kv_cache_shape), so the padded conv page is read
-        # through a strided view.
-        return True
 
     @staticmethod
     def get_kv_cache_shape(
@@ -63,11 +57,6 @@ class InklingSconvBackend:
     ) -> tuple[int, ...]:
         """HND, num-blocks-first, head-major: ``(num_blocks, H, N, D)``."""
         return (num_blocks, num_kv_heads, block_size, head_size)
-
-    @staticmethod
-    def get_kv_cache_stride_order(include_num_layers_dimension: bool = False) -> tuple[int, ...]:
-        """Identity: physical layout == logical ``[num_blocks, H, N, D]``."""
-        return (0, 1, 2, 3, 4) if include_num_layers_dimension else (0, 1, 2, 3)
 
     @staticmethod
     def get_impl_cls():

@@ -15,7 +15,7 @@ from torch import nn
 
 from stepops.layouts import ROW_BYTES, CSATailRingLayout
 from stepops.ops.csa_ring_update import CSARingMetadata, build_csa_ring_metadata, csa_ring_update
-from stepops.owners._context import register_layer
+from stepops.owners._context import BlockStridedBackend, register_layer
 from stepops.specs import AttentionSpec, CircularBufferSpec
 
 
@@ -51,33 +51,12 @@ class Step5CSATailRingMetadataBuilder:
         )
 
 
-class Step5CSATailRingBackend:
+class Step5CSATailRingBackend(BlockStridedBackend):
     """Cache geometry of the ring: NHD ``[num_blocks, block_size, 1, head_size]`` bf16, rows across it."""
 
     @staticmethod
     def get_name() -> str:
         return "STEP5_CSA_TAIL_RING"
-
-    @classmethod
-    def indexes_kv_by_block_stride(cls) -> bool:
-        # Rows are addressed as block * rows_per_block + p % capacity, with rows_per_block from stride(0).
-        return True
-
-    @staticmethod
-    def get_kv_cache_shape(
-        num_blocks: int,
-        block_size: int,
-        num_kv_heads: int,
-        head_size: int,
-        cache_dtype_str: str = "auto",
-    ) -> tuple[int, ...]:
-        """``(num_blocks, block_size, num_kv_heads, head_size)``: one contiguous page per block."""
-        return (num_blocks, block_size, num_kv_heads, head_size)
-
-    @staticmethod
-    def get_kv_cache_stride_order(include_num_layers_dimension: bool = False) -> tuple[int, ...]:
-        """Identity: the physical layout is the logical one."""
-        return (0, 1, 2, 3, 4) if include_num_layers_dimension else (0, 1, 2, 3)
 
     @staticmethod
     def get_impl_cls():
