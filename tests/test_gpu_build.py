@@ -58,6 +58,8 @@ paged_kv_write   _paged_kv_write_kernel   BLOCK_H=2 BLOCK_D=8 BLOCK_DV=8 warps=4
 paged_kv_write   _paged_kv_write_kernel   BLOCK_H=2 BLOCK_D=8 BLOCK_DV=8 warps=4                          sm_90a  22    0      0      0     100%       32x1 16x2         16x2
 paged_kv_write   _paged_kv_write_kernel   BLOCK_H=4 BLOCK_D=8 BLOCK_DV=4 warps=4                          sm_80   21    0      0      0     100%       64x1 16x2         16x2
 paged_kv_write   _paged_kv_write_kernel   BLOCK_H=4 BLOCK_D=8 BLOCK_DV=4 warps=4                          sm_90a  24    0      0      0     100%       64x1 16x2         16x2
+paged_kv_write   _paged_kv_write_kernel   BLOCK_H=8 BLOCK_D=128 BLOCK_DV=128 warps=4                      sm_80   26    0      0      0     100%       128x2 32x1        128x2
+paged_kv_write   _paged_kv_write_kernel   BLOCK_H=8 BLOCK_D=128 BLOCK_DV=128 warps=4                      sm_90a  27    0      0      0     100%       128x2 32x1        128x2
 sconv            _sconv_kernel            KERNEL_SIZE=4 RESIDUAL=False SILU=False BLOCK_W=16 warps=1      sm_80   42    0      0      0     50%        32x8 16x13        16x2
 sconv            _sconv_kernel            KERNEL_SIZE=4 RESIDUAL=False SILU=False BLOCK_W=16 warps=1      sm_90a  42    0      0      0     50%        32x8 16x13        16x2
 sconv            _sconv_kernel            KERNEL_SIZE=4 RESIDUAL=True SILU=False BLOCK_W=128 warps=1      sm_80   58    0      0      0     50%        64x9 32x8 16x16   64x2

@@ -46,3 +46,5 @@ def paged_kv_write_samples(device: torch.device) -> Iterator[SampleInput]:
                block_size=4, dtype=torch.float32, key_from_fused=True)
     yield make("all_padding_fp16", tokens=3, heads=2, head_size=4, head_size_v=4, num_blocks=2, block_size=4,
                padding=3, dtype=torch.float16)
+    # A model-sized GQA layer (8 KV heads of 128): the configuration the GPU-build check must see compiled.
+    yield make("model_heads_8x128", tokens=4, heads=8, head_size=128, head_size_v=128, num_blocks=2, block_size=16)
