@@ -5,29 +5,43 @@ and global) run the same kind of workload: several requests, prompts split into 
 decode and speculative verify steps whose rejected drafts the next step overwrites. Each model runs eagerly,
 compiled with ``torch.compile(fullgraph=True)`` and, with a GPU, replayed from CUDA graphs; every run's
 committed outputs are compared with a full recompute of the committed sequences without caches.
+
+With ``tp > 1`` the Inkling stack runs tensor-parallel: the demo spawns ``tp`` local ranks (gloo on CPU,
+NCCL with one GPU per rank), each loads its shard of the same seeded weights, and every rank's outputs are
+checked against the recompute of the unsharded model. Step5 stays in one process (tensor parallelism here
+is Inkling's).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable
+from functools import partial
 
 import torch
+import torch.distributed as dist
 from torch._dynamo.utils import counters
 
 from stepops.models import InklingConfig, InklingModel, Step5Config, Step5Model
 from stepops.models.reference import model_reference
 from stepops.models.runner import COMPILED, CUDA_GRAPH, EAGER, StepRunner, Workload, run_workload
+from stepops.models.tensor_parallel import shard_inkling_state_dict, spawn_ranks
 from stepops.testing.tolerances import TOLERANCES
 
 WORKLOAD = Workload()
+# Factories as partials, not lambdas: the tensor-parallel ranks receive theirs pickled.
 _MODELS: tuple[tuple[str, Callable[[], torch.nn.Module]], ...] = (
-    ("step5", lambda: Step5Model(Step5Config())),
-    ("inkling", lambda: InklingModel(InklingConfig())),
+    ("step5", partial(Step5Model, Step5Config())),
+    ("inkling", partial(InklingModel, InklingConfig())),
 )
+_TP_MODEL = "inkling"  # the stack that runs tensor-parallel with --tp > 1
+_BOUND = "model_vs_recompute"
+_TP_BOUND = "tensor_parallel_vs_single_rank"
 
 
 def _say(text: str) -> None:
@@ -56,9 +70,9 @@ class _Ticker:
         self._thread.join()
 
 
-def _max_error(model: torch.nn.Module, result) -> tuple[float, bool]:
-    """Largest ``|incremental - recompute|`` over committed outputs, and whether all are inside the bound."""
-    tol = TOLERANCES["model_vs_recompute"]
+def _max_error(model: torch.nn.Module, result, bound: str) -> tuple[float, bool]:
+    """Largest ``|incremental - recompute|`` over committed outputs, and whether all are inside ``bound``."""
+    tol = TOLERANCES[bound]
     worst, inside = 0.0, True
     for x, y in zip(result.inputs, result.outputs):
         want = model_reference(model, x.to(next(model.parameters()).device)).cpu().float()
@@ -68,15 +82,26 @@ def _max_error(model: torch.nn.Module, result) -> tuple[float, bool]:
     return worst, inside
 
 
-def _run_mode(name: str, make: Callable[[], torch.nn.Module], mode: str, device: torch.device, backend: str) -> dict:
-    torch.manual_seed(0)  # every mode gets the same weights
+def _run_mode(
+    name: str,
+    make: Callable[[], torch.nn.Module],
+    mode: str,
+    device: torch.device,
+    backend: str,
+    workload: Workload,
+    shard: Callable[[torch.nn.Module], torch.nn.Module] | None = None,
+) -> dict:
+    """Run ``workload`` through ``make()`` in ``mode``; with ``shard``, through ``shard(make())`` (this rank's
+    tensor-parallel model), still checked against the recompute of the whole ``make()``."""
+    torch.manual_seed(0)  # every mode (and every rank) gets the same weights
     with device:
-        model = make()
+        reference = make()
+        model = shard(reference) if shard else reference
     runner = StepRunner(
         model,
-        max_requests=len(WORKLOAD.prompt_lens),
-        max_model_len=WORKLOAD.max_len,
-        max_tokens=WORKLOAD.token_budget,
+        max_requests=len(workload.prompt_lens),
+        max_model_len=workload.max_len,
+        max_tokens=workload.token_budget,
         device=device,
         mode=mode,
         compile_backend=backend,
@@ -91,8 +116,8 @@ def _run_mode(name: str, make: Callable[[], torch.nn.Module], mode: str, device:
         with _Ticker(what):
             runner.warm_up(lambda msg: _say(f"    {msg}  ({time.perf_counter() - warm_start:.0f} s)"))
     warm_seconds = time.perf_counter() - warm_start
-    result = run_workload(runner, WORKLOAD, model.config.hidden_size)
-    err, inside = _max_error(model, result)
+    result = run_workload(runner, workload, model.config.hidden_size)
+    err, inside = _max_error(reference, result, _TP_BOUND if shard else _BOUND)
     row = {
         "mode": mode,
         "steps": result.steps,
@@ -111,19 +136,74 @@ def _run_mode(name: str, make: Callable[[], torch.nn.Module], mode: str, device:
     return row
 
 
-def run_demo(*, json_path: str | None = None, device: str = "auto", backend: str = "inductor") -> int:
-    """Run the demo; print the table; write ``json_path``; return 0 when every check passed, else 1."""
+def _tp_rank(rank: int, tp_size: int, make, device_type: str, backend: str, workload: Workload, out_dir: str) -> None:
+    """One rank of the tensor-parallel run: eager and compiled rows into ``out_dir/rank{rank}.json``."""
+    if rank:  # rank 0 tells the story; the others' rows are merged by the parent
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - lives as long as the rank's process
+    if device_type == "cuda":
+        torch.cuda.set_device(rank)
+        device = torch.device("cuda", rank)
+    else:
+        torch.set_num_threads(max(1, torch.get_num_threads() // tp_size))
+        device = torch.device("cpu")
+
+    def shard(full: InklingModel) -> InklingModel:
+        model = InklingModel(full.config, process_group=dist.group.WORLD)
+        model.load_state_dict(shard_inkling_state_dict(full.state_dict(), full.config, tp_rank=rank, tp_size=tp_size))
+        return model
+
+    name = f"{_TP_MODEL} (tp={tp_size})"
+    rows = {mode: _run_mode(name, make, mode, device, backend, workload, shard) for mode in (EAGER, COMPILED)}
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(rows, f)
+
+
+def _run_tensor_parallel(make, tp: int, dev: torch.device, backend: str) -> dict[str, dict]:
+    """Spawn ``tp`` ranks of ``make()`` sharded; merge their rows (worst error, most graph breaks)."""
+    if dev.type == "cuda" and torch.cuda.device_count() < tp:
+        raise ValueError(f"--tp {tp} on CUDA needs {tp} GPUs (NCCL: one per rank), found {torch.cuda.device_count()}")
+    comm = "nccl" if dev.type == "cuda" else "gloo"
+    _say(f"  {tp} ranks ({comm}), one process each; every rank checked against the unsharded recompute")
+    with tempfile.TemporaryDirectory(prefix="stepops-demo-tp-") as out_dir:
+        spawn_ranks(_tp_rank, tp, make, dev.type, backend, WORKLOAD, out_dir, backend=comm)
+        ranks = []
+        for r in range(tp):
+            with open(os.path.join(out_dir, f"rank{r}.json")) as f:
+                ranks.append(json.load(f))
+    rows = ranks[0]
+    for mode, row in rows.items():
+        row["max_abs_err_vs_recompute"] = max(rank[mode]["max_abs_err_vs_recompute"] for rank in ranks)
+        row["within_bound"] = all(rank[mode]["within_bound"] for rank in ranks)
+        for key in ("graph_breaks", "recompiles"):
+            if key in row:
+                row[key] = max(rank[mode][key] for rank in ranks)
+    return rows
+
+
+def run_demo(*, json_path: str | None = None, device: str = "auto", backend: str = "inductor", tp: int = 1) -> int:
+    """Run the demo; print the table; write ``json_path``; return 0 when every check passed, else 1.
+
+    ``tp > 1`` runs the Inkling stack on ``tp`` spawned ranks (eager and compiled; no CUDA-graph mode).
+    """
+    if not isinstance(tp, int) or tp < 1:
+        raise ValueError(f"tp must be a positive int, got {tp!r}")
     dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else ("cpu" if device == "auto" else device))
     modes = [EAGER, COMPILED] + ([CUDA_GRAPH] if dev.type == "cuda" else [])
     w = WORKLOAD
     _say(
         f"stepops demo on {dev}: {len(w.prompt_lens)} requests, prompts {w.prompt_lens}, decode {w.decode_lens}, "
         f"k = {w.num_speculative_tokens} speculative tokens, {w.token_budget}-token step budget"
+        + (f"; {_TP_MODEL} tensor-parallel over {tp} ranks, the other stacks in one process" if tp > 1 else "")
     )
     report: dict[str, dict] = {}
     for name, make in _MODELS:
-        _say(f"{name}:")
-        rows = {mode: _run_mode(name, make, mode, dev, backend) for mode in modes}
+        sharded = tp > 1 and name == _TP_MODEL
+        if sharded:
+            _say(f"{name} (tp={tp}):")
+            rows = _run_tensor_parallel(make, tp, dev, backend)
+        else:
+            _say(f"{name}:" + (" (single process)" if tp > 1 else ""))
+            rows = {mode: _run_mode(name, make, mode, dev, backend, WORKLOAD) for mode in modes}
         compiled = rows[COMPILED]
         report[name] = {
             "graph_breaks": compiled["graph_breaks"],
@@ -135,6 +215,8 @@ def run_demo(*, json_path: str | None = None, device: str = "auto", backend: str
             "compiled_seconds": compiled["seconds"],
             "compile_seconds": compiled["warm_up_seconds"],
             "within_bound": all(r["within_bound"] for r in rows.values()),
+            "tp": tp if sharded else 1,
+            "bound": _TP_BOUND if sharded else _BOUND,
             "modes": rows,
         }
         if CUDA_GRAPH in rows:
@@ -143,7 +225,8 @@ def run_demo(*, json_path: str | None = None, device: str = "auto", backend: str
     ok = all(r["graph_breaks"] == 0 and r["recompiles"] == 0 and r["within_bound"] for r in report.values())
     if json_path:
         with open(json_path, "w") as f:
-            json.dump({"device": str(dev), "backend": backend, "bound": TOLERANCES["model_vs_recompute"].__dict__,
+            json.dump({"device": str(dev), "backend": backend, "tp": tp, "bound": TOLERANCES[_BOUND].__dict__,
+                       "bounds": {key: TOLERANCES[key].__dict__ for key in {r["bound"] for r in report.values()}},
                        "models": report, "ok": ok}, f, indent=2)
         _say(f"wrote {json_path}")
     _say("all checks passed" if ok else "SOME CHECKS FAILED")
@@ -151,13 +234,13 @@ def run_demo(*, json_path: str | None = None, device: str = "auto", backend: str
 
 
 def _print_table(report: dict[str, dict]) -> None:
-    tol = TOLERANCES["model_vs_recompute"]
     header = ("model", "mode", "steps", "tokens", "seconds", "max |err| vs recompute", "in bound", "graph breaks", "recompiles")
     lines = [header]
     for name, r in report.items():
         for mode, row in r["modes"].items():
             lines.append((
-                name, mode, str(row["steps"]), str(row["tokens"]), f"{row['seconds']:.2f}",
+                name + (f" (tp={r['tp']})" if r["tp"] > 1 else ""), mode, str(row["steps"]), str(row["tokens"]),
+                f"{row['seconds']:.2f}",
                 f"{row['max_abs_err_vs_recompute']:g}", "yes" if row["within_bound"] else "NO",
                 str(row.get("graph_breaks", "-")), str(row.get("recompiles", "-")),
             ))
@@ -167,8 +250,14 @@ def _print_table(report: dict[str, dict]) -> None:
         _say("  ".join(cell.ljust(widths[j]) for j, cell in enumerate(line)))
         if i == 0:
             _say("  ".join("-" * wd for wd in widths))
-    _say(f"\nbound: |err| <= {tol.atol} + {tol.rtol} * |recompute| per element (stepops.testing.TOLERANCES"
-         "['model_vs_recompute']); CPU eager is bitwise (0).")
+    _say("")
+    for bound in sorted({r["bound"] for r in report.values()}, key=[_BOUND, _TP_BOUND].index):
+        tol = TOLERANCES[bound]
+        users = ", ".join(name + (f" (tp={r['tp']})" if r["tp"] > 1 else "") for name, r in report.items()
+                          if r["bound"] == bound)
+        _say(f"bound ({users}): |err| <= {tol.atol} + {tol.rtol} * |recompute| per element "
+             f"(stepops.testing.TOLERANCES[{bound!r}])" + ("; CPU eager is bitwise (0)." if bound == _BOUND else
+             "; the ranks' bf16 partial sums round once more than one matmul, so not bitwise."))
 
 
 if __name__ == "__main__":  # pragma: no cover

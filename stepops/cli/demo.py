@@ -1,4 +1,4 @@
-"""``python -m stepops demo [--json PATH]``: the main job (see :mod:`stepops.demo`)."""
+"""``python -m stepops demo [--json PATH] [--tp N]``: the main job (see :mod:`stepops.demo`)."""
 
 from __future__ import annotations
 
@@ -19,10 +19,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--backend", default="inductor", help="torch.compile backend for the compiled runs (default: inductor)"
     )
+    parser.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        metavar="N",
+        help="run the Inkling stack tensor-parallel on N spawned ranks (gloo on CPU, NCCL with N GPUs); "
+        "Step5 stays in one process (default: 1)",
+    )
     parser.set_defaults(run=_run)
 
 
 def _run(args: argparse.Namespace) -> int:
     from stepops.demo import run_demo  # imports torch.compile machinery only when the demo runs
 
-    return run_demo(json_path=args.json, device=args.device, backend=args.backend)
+    if args.tp < 1:
+        raise SystemExit(f"--tp must be >= 1, got {args.tp}")
+    return run_demo(json_path=args.json, device=args.device, backend=args.backend, tp=args.tp)

@@ -20,3 +20,23 @@ def test_demo_reports_every_field(tmp_path, monkeypatch, capsys):
         assert model["eager_seconds"] > 0 and model["compiled_seconds"] > 0
     out = capsys.readouterr().out
     assert "compiling step5" in out and "max |err| vs recompute" in out and "all checks passed" in out
+
+
+def test_demo_tensor_parallel_reports_every_rank(tmp_path, monkeypatch, capsys):
+    """``--tp 2``: the Inkling stack on two spawned gloo ranks, its bound and graph breaks reported.
+
+    Only the Inkling stack runs (Step5's single-process path is the test above); the workload reaches the
+    ranks as an argument, so the monkeypatched one applies there too."""
+    monkeypatch.setattr(stepops.demo, "WORKLOAD", Workload(prompt_lens=(11, 4), decode_lens=(5, 6), token_budget=8))
+    monkeypatch.setattr(stepops.demo, "_MODELS", tuple(m for m in stepops.demo._MODELS if m[0] == "inkling"))
+    path = tmp_path / "demo.json"
+    assert main(["demo", "--tp", "2", "--json", str(path), "--backend", "aot_eager", "--device", "cpu"]) == 0
+    report = json.loads(path.read_text())
+    model = report["models"]["inkling"]
+    assert report["tp"] == 2 and model["tp"] == 2 and model["bound"] == "tensor_parallel_vs_single_rank"
+    assert model["graph_breaks"] == 0 and model["recompiles"] == 0 and model["within_bound"]
+    # Not bitwise (bf16 partial sums), but within a few bf16 ulps of the residual stream (|x| < 8).
+    assert 0 < model["max_abs_err_vs_recompute"] <= 2**-3
+    assert model["steps"] > 0 and model["tokens"] > 0
+    out = capsys.readouterr().out
+    assert "inkling (tp=2)" in out and "2 ranks (gloo)" in out and "all checks passed" in out
