@@ -3,6 +3,8 @@
 - :mod:`stepops.models.step5`: :class:`Step5Config`, :class:`Step5DecoderLayer` (sliding-window and CSA
   layers), :class:`Step5Model`.
 - :mod:`stepops.models.inkling`: :class:`InklingConfig`, :class:`InklingDecoderLayer`, :class:`InklingModel`.
+- :mod:`stepops.models.tensor_parallel`: Inkling over a ``torch.distributed`` group (the collectives, the
+  state-dict slicer :func:`~stepops.models.tensor_parallel.shard_inkling_state_dict`, ``spawn_ranks``).
 - :mod:`stepops.models.metadata`: the step's fixed-size buffers and the on-device metadata builders.
 - :mod:`stepops.models.runner`: :class:`StepRunner` (eager, compiled, CUDA graphs) and the scripted workload.
 - :mod:`stepops.models.reference`: the no-cache full recompute the incremental layers are checked against.
