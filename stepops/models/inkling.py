@@ -151,7 +151,8 @@ class InklingDecoderLayer(nn.Module):
         k = conv(InklingStream.K, self.k_proj(h), self.conv_k, table, sconv_meta)
         v = conv(InklingStream.V, self.v_proj(h), self.conv_v, table, sconv_meta)
         q = rope_neox(self.q_norm(q), position, c.head_dim, c.rope_theta)
-        k = rope_neox(self.k_norm(k.view(num_tokens, self.num_kv_heads, c.head_dim)), position, c.head_dim, c.rope_theta)
+        k = k.view(num_tokens, self.num_kv_heads, c.head_dim)
+        k = rope_neox(self.k_norm(k), position, c.head_dim, c.rope_theta)
         v = v.view(num_tokens, self.num_kv_heads, c.head_dim)
         kv_cache = self.attn.kv_cache
         paged_kv_write(k, v, kv_cache[..., : c.head_dim], kv_cache[..., c.head_dim :], metadata.attn_slot_mapping)
@@ -161,7 +162,8 @@ class InklingDecoderLayer(nn.Module):
             key_position = torch.arange(allowed.shape[1], device=hidden.device)
             allowed = allowed & (key_position[None, :] > position.long()[:, None] - c.sliding_window)
         attn = masked_attention(q, keys.key, keys.value, allowed, c.head_dim**-0.5)
-        hidden = hidden + self._output_conv(InklingStream.ATTN_OUT, self.o_proj(attn.flatten(1)), self.conv_attn, metadata)
+        attn_out = self.o_proj(attn.flatten(1))
+        hidden = hidden + self._output_conv(InklingStream.ATTN_OUT, attn_out, self.conv_attn, metadata)
         mlp = self.mlp(self.post_norm(hidden))
         return hidden + self._output_conv(InklingStream.MLP_OUT, mlp, self.conv_mlp, metadata)
 
@@ -197,7 +199,6 @@ class InklingModel(nn.Module):
     ) -> None:
         super().__init__()
         self.config = config
-        self.tp = TensorParallel.from_group(process_group)
         self.static_forward_context: dict[str, Any] = {}
         self.layers = nn.ModuleList(
             InklingDecoderLayer(

@@ -31,8 +31,8 @@ import torch.multiprocessing as mp
 if TYPE_CHECKING:
     from stepops.models.inkling import InklingConfig
 
-# torch 2.13 renamed the dim-aware functional collectives to *_single and deprecated the *_tensor names
-# (they warn in eager); torch 2.11 has only the *_tensor names. Same signature, same graph ops.
+# torch 2.13 has the dim-aware functional collectives as *_single and deprecates the *_tensor names (they
+# warn in eager); a release without *_single has the *_tensor names. Same signature, same graph ops.
 _reduce_scatter = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
 _all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
 
@@ -51,7 +51,9 @@ class TensorParallel:
         if group is None:
             return cls()
         if not isinstance(group, dist.ProcessGroup):
-            raise TypeError(f"process_group must be a torch.distributed.ProcessGroup or None, got {type(group).__name__}")
+            raise TypeError(
+                f"process_group must be a torch.distributed.ProcessGroup or None, got {type(group).__name__}"
+            )
         size, rank = dist.get_world_size(group), dist.get_rank(group)
         if rank < 0:
             raise ValueError("this process is not a member of process_group")
@@ -177,7 +179,13 @@ def shard_inkling_state_dict(
 
 
 def _rank_main(
-    rank: int, fn: Callable[..., Any], tp_size: int, init_file: str, backend: str, timeout: timedelta | None, args: tuple
+    rank: int,
+    fn: Callable[..., Any],
+    tp_size: int,
+    init_file: str,
+    backend: str,
+    timeout: timedelta | None,
+    args: tuple,
 ) -> None:
     dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=tp_size, timeout=timeout)
     try:
@@ -194,8 +202,8 @@ def spawn_ranks(
     ``backend``: ``"gloo"`` (CPU tensors) or ``"nccl"`` (one CUDA device per rank: ``fn`` picks
     ``cuda:rank``). The group rendezvouses through a ``file://`` store in a fresh temporary directory (no
     port to pick); ``timeout`` bounds each collective (``None``: torch's default). ``fn`` and ``args``
-    must be picklable (a module-level function). When a rank raises, the others are ended and ``torch.multiprocessing.ProcessRaisedException`` (with its traceback) is raised
-    here.
+    must be picklable (a module-level function). When a rank raises, the others are ended and
+    ``torch.multiprocessing.ProcessRaisedException`` (with its traceback) is raised here.
     """
     with tempfile.TemporaryDirectory(prefix="stepops-tp-") as tmp:
         init_file = os.path.join(tmp, "rendezvous")
