@@ -189,13 +189,13 @@ class StepRunner:
     def warm_up(self, progress: Callable[[str], None] | None = None) -> None:
         """Compile (or capture) every capture size with padding-only steps, which write nothing."""
         for size in self.capture_sizes:
-            if progress:
-                progress(f"{self.mode}: T = {size}")
             self._fill_buffers([])
             if self.mode == CUDA_GRAPH:
                 self._capture(size)
             else:
                 self._run(size)
+            if progress:
+                progress(f"{self.mode}: T = {size} ready")
 
     def _capture(self, size: int) -> None:
         hidden = self.hidden[:size]
