@@ -30,7 +30,7 @@ def _split(args):
 
 def _base(cache: torch.Tensor) -> torch.Tensor:
     """The whole storage behind a (possibly page-strided) cache view, as int16 so NaN bits compare too."""
-    flat = torch.as_strided(cache, (cache.untyped_storage().nbytes() // cache.element_size(),), (1,))
+    flat = torch.as_strided(cache, (cache.untyped_storage().nbytes() // cache.element_size(),), (1,), 0)
     return flat.view(torch.int16)
 
 
@@ -74,6 +74,8 @@ def _per_token_reference(x, weight, cache, block_table, metadata, stream_offset,
                 tap = torch.zeros(x.shape[1])
             elif q >= first:
                 tap = x[t - (p - q)].float()
+            elif q // block_size >= block_table.shape[1] or int(block_table[r, q // block_size]) < 0:
+                tap = torch.zeros(x.shape[1])  # an unallocated block reads as zero
             else:
                 block = int(block_table[r, q // block_size])
                 tap = cache[block, :, q % block_size, stream_offset : stream_offset + width].reshape(-1).float()
@@ -184,6 +186,52 @@ def test_block_smaller_than_kernel_reads_across_several_blocks():
     weight = torch.randn(2 * width, 4).to(torch.bfloat16)
     want = _per_token_reference(x, weight, cache, block_table, metadata, offset)
     assert torch.equal(sconv(x, weight, cache, block_table, metadata, offset, validate=True), want)
+
+
+def _unallocated_step(device):
+    """A step whose earlier taps hit unallocated blocks, in a cache with a NaN block on either side.
+
+    Request 0 (block table ``[2, -1]``, N = 4) decodes position 9: taps 6, 7 sit in the ``-1`` block and
+    tap 8 in column 2, past the table's two columns; its own position is past the table too (slot -1).
+    A read of block -1 would hit the NaN block before the cache; column 2 of row 0 is, in memory, row 1's
+    first entry (block 5), so an out-of-table read would show as a wrong value. Request 1 is ordinary.
+    """
+    offset, width = SAMPLE_LAYOUT.stream_range(InklingStream.V)
+    shape = SAMPLE_LAYOUT.cache_shape(num_blocks=10, block_size=4)
+    buffer = torch.randn(shape).to(device=device, dtype=torch.bfloat16)
+    buffer[0] = buffer[-1] = float("nan")
+    cache = buffer[1:-1]
+    block_table = torch.tensor([[2, -1], [5, 6]], dtype=torch.int32, device=device)
+    metadata = step_metadata([9, 5], [1, 2], block_table, 4, 4)
+    channels = SAMPLE_LAYOUT.local_num_kv_heads * width
+    x = torch.randn(4, channels).to(device=device, dtype=torch.bfloat16)
+    weight = torch.randn(channels, SAMPLE_LAYOUT.kernel_size).to(device=device, dtype=torch.bfloat16)
+    return x, weight, cache, block_table, metadata, offset
+
+
+@pytest.mark.parametrize("kernel", sorted(_KERNELS))
+def test_unallocated_blocks_of_earlier_taps_read_as_zero_in_both_kernels(kernel):
+    device = triton_device() if kernel == "triton" else torch.device("cpu")
+    x, weight, cache, block_table, metadata, offset = _unallocated_step(device)
+    assert metadata.slot_mapping.tolist()[0] == -1  # request 0's own position 9 has no block either
+    want_y = _per_token_reference(
+        x.cpu(), weight.cpu(), cache.cpu(), block_table.cpu(), SconvMetadata(*(m.cpu() for m in metadata)), offset
+    )
+    want_storage = _expected_storage(x, cache, metadata, offset)
+    y = _KERNELS[kernel](x, weight, cache, block_table, metadata, offset)
+    assert torch.equal(y.cpu(), want_y)
+    assert torch.equal(_base(cache).cpu(), want_storage.cpu())
+
+
+def test_validate_rejects_unallocated_blocks_among_the_earlier_taps():
+    x, weight, cache, block_table, metadata, offset = _unallocated_step(torch.device("cpu"))
+    with pytest.raises(ValueError, match=r"request 0 position 6 \(read\) maps to block -1"):
+        sconv(x, weight, cache, block_table, metadata, offset, validate=True)
+    # Request 0 at position 5 with a one-column table: taps 2, 3 in block 2, tap 4 past the table.
+    narrow = block_table[:, :1].clone()
+    metadata = step_metadata([5, 3], [1, 1], narrow, 4, 4)
+    with pytest.raises(ValueError, match=r"position 4 of request 0 \(read\) lies past its block table"):
+        sconv(x, weight, cache, narrow, metadata, offset, validate=True)
 
 
 def test_padding_rows_are_zero_and_an_all_padding_step_changes_nothing():
@@ -330,6 +378,16 @@ def test_build_sconv_metadata_matches_plain_python():
                 t += 1
         assert [m.tolist() for m in got] == want
         assert all(m.dtype == torch.int32 for m in got)
+
+
+def test_build_sconv_metadata_gives_unallocated_blocks_slot_minus_one():
+    """A position past the table, or in a -1 block, is not stored: never another position's slot."""
+    table = torch.tensor([[3, 5], [-1, 7]], dtype=torch.int32)
+    # Request 0 at positions 7..9 (7 in block 5, 8 and 9 past the table); request 1 at 2 (block -1) and 4.
+    qsl, seq_lens = torch.tensor([0, 3, 5], dtype=torch.int32), torch.tensor([10, 5], dtype=torch.int32)
+    got = build_sconv_metadata(qsl, seq_lens, table, 4, 6)
+    assert got.token_position.tolist() == [7, 8, 9, 3, 4, -1]
+    assert got.slot_mapping.tolist() == [5 * 4 + 3, -1, -1, -1, 7 * 4 + 0, -1]
 
 
 def test_build_sconv_metadata_rejects_bad_block_size_and_table():

@@ -54,8 +54,10 @@ def sconv(
 
     ``validate=True`` first checks on the host (a device sync; keep it off in serving and under
     ``torch.compile``) that the metadata describe contiguous, in-order request rows, that slots match
-    the block table, that every block read or written exists, and that no stored slot is read or stored
-    twice; it raises ``ValueError`` otherwise.
+    the block table, that every block read or written exists (the kernels read an earlier tap whose
+    block is unallocated, a negative entry or a column past the table, as zero; ``validate`` rejects it
+    as a broken block table), and that no stored slot is read or stored twice; it raises ``ValueError``
+    otherwise.
     """
     if not isinstance(metadata, SconvMetadata):
         raise TypeError(f"sconv: metadata must be an SconvMetadata, got {type(metadata).__name__}")
@@ -109,8 +111,8 @@ def validate_sconv_inputs(
         first_position = p - (t - start)
         for q in range(max(0, p - kernel_size + 1), first_position):
             read[block_of(r, q, "read") * block_size + q % block_size] = t
-        expected = block_of(r, p, "stored") * block_size + p % block_size
-        if slot >= 0:
+        if slot >= 0:  # a real token with slot -1 (e.g. its block is not allocated) is not stored
+            expected = block_of(r, p, "stored") * block_size + p % block_size
             if slot != expected:
                 raise ValueError(f"sconv: token {t} has slot {slot}, but its block table gives {expected}")
             if slot in stored:

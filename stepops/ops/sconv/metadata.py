@@ -31,9 +31,10 @@ def build_sconv_metadata(
     query_start_loc[r + 1]``), ``seq_lens`` ``[R]`` int (tokens of request ``r`` after this step),
     ``block_table`` ``[R, max_blocks]`` int32, ``block_size`` = ``N`` of the cache. Token ``t`` at position
     ``p`` of request ``r`` gets ``slot_mapping[t] = block_table[r, p // N] * N + p % N``; tokens past
-    ``query_start_loc[-1]`` are padding (``-1``). Everything stays on ``block_table.device`` and shapes
-    depend only on ``num_tokens``. A position past the block table is not detected here (that would need
-    a host sync): ``sconv(..., validate=True)`` reports it.
+    ``query_start_loc[-1]`` are padding (``-1``). A real token whose block is not allocated (a negative
+    block-table entry, or a column ``p // N`` past the table's width) gets slot ``-1``: the op computes its
+    output but stores nothing, rather than writing another position's slot. Everything stays on
+    ``block_table.device`` and shapes depend only on ``num_tokens``.
     """
     if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
         raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
@@ -45,14 +46,15 @@ def build_sconv_metadata(
     if block_table.shape[0] != seq_lens.numel():
         raise ValueError(f"block_table has {block_table.shape[0]} rows for {seq_lens.numel()} requests")
     token = build_token_metadata(query_start_loc, seq_lens, num_tokens)
-    is_real = token.request >= 0
     request = token.request.clamp(min=0).to(torch.int64)
     position = token.position.clamp(min=0).to(torch.int64)
-    # The clamp keeps the gather in bounds for padding tokens (and for an out-of-table position, which
-    # validate=True reports); no branch on the data.
-    block_index = (position // block_size).clamp(max=block_table.shape[1] - 1)
-    block = block_table[request, block_index].to(torch.int64)
-    slot = torch.where(is_real, block * block_size + position % block_size, -1)
+    column = position // block_size
+    in_table = column < block_table.shape[1]
+    # The clamps keep the gather in bounds for padding and out-of-table tokens, whose slot is masked to -1
+    # below; no branch on the data, no host sync.
+    block = block_table[request, column.clamp(max=block_table.shape[1] - 1)].to(torch.int64)
+    stores = (token.request >= 0) & in_table & (block >= 0)
+    slot = torch.where(stores, block * block_size + position % block_size, -1)
     return SconvMetadata(
         token_request=token.request,
         token_chunk_start=token.chunk_start,

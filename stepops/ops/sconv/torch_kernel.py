@@ -47,7 +47,9 @@ def sconv_torch(
     - output: ``y[t, c] = bf16(x[t, c] + sum_{j<W} w[c, j] * tap_j[c])`` in fp32, summed in order
       ``j = 0 .. W-1``, where ``tap_j`` is the input at position ``q = p - (W-1) + j``: row ``t - (p - q)``
       of ``x`` when ``q >= p0`` (this step), the cache slot ``block_table[r, q // N] * N + q % N`` when
-      ``0 <= q < p0`` (earlier steps), zero when ``q < 0``. ``silu=True`` applies
+      ``0 <= q < p0`` (earlier steps), zero when ``q < 0``. An earlier position whose block is not
+      allocated (a negative block-table entry, or a column ``q // N`` past the table's width) is a zero
+      tap too: neither kernel reads memory for it. ``silu=True`` applies
       ``a / (1 + exp(-a))`` to the conv sum before the residual; ``residual=False`` drops ``x[t, c]``.
 
     Padding tokens (``token_request[t] < 0``) write nothing and get a zero row of ``y``; a real token
@@ -56,13 +58,15 @@ def sconv_torch(
 
     Caller invariants (checked on the host by ``validate=True`` of the wrapper): the rows of a request
     are contiguous, in position order, starting at ``token_chunk_start``; ``slot_mapping[t]`` is the slot
-    of ``p``; every block read or written lies in ``[0, num_blocks)``; stored slots are distinct and never
+    of ``p``; every block read or written lies in ``[0, num_blocks)`` (``validate=True`` also rejects the
+    unallocated blocks of earlier taps, which the kernels read as zero); stored slots are distinct and never
     among the slots the step reads.
     """
     sizes = check_sconv_args(
         x, weight, cache, block_table, token_request, token_chunk_start, slot_mapping, token_position, stream_offset
     )
     num_tokens, num_heads, width, kernel_size, block_size = sizes
+    max_blocks = block_table.shape[1]
     stream = cache[..., stream_offset : stream_offset + width]  # [num_blocks, H, N, width] view
     row = torch.arange(num_tokens, device=x.device, dtype=torch.int64)
     request = token_request.to(torch.int64)
@@ -80,7 +84,11 @@ def sconv_torch(
         in_cache = is_real & (q >= 0) & ~in_step
         from_x = x_f32[torch.where(in_step, row - (kernel_size - 1 - j), 0)]
         q_safe = torch.where(in_cache, q, 0)
-        block = torch.where(in_cache, block_table[safe_request, q_safe // block_size].to(torch.int64), 0)
+        column = q_safe // block_size
+        in_table = column < max_blocks
+        block = block_table[safe_request, column.clamp(max=max_blocks - 1)].to(torch.int64)
+        in_cache = in_cache & in_table & (block >= 0)  # an unallocated block is a zero tap
+        block = torch.where(in_cache, block, 0)
         from_cache = stream[block, :, q_safe % block_size].reshape(num_tokens, -1).float()
         tap = torch.where(in_step[:, None], from_x, torch.where(in_cache[:, None], from_cache, 0.0))
         acc = acc + weight_f32[:, j] * tap

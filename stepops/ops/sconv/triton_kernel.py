@@ -53,6 +53,7 @@ def _sconv_kernel(
     y_ptr,
     width,
     block_size,
+    max_blocks,
     stream_offset,
     stride_x_token,
     stride_x_channel,
@@ -102,14 +103,20 @@ def _sconv_kernel(
         ).to(tl.float32)
         # Masked-off lanes still form addresses: keep them non-negative.
         q_safe = tl.maximum(q, 0)
+        column = q_safe // block_size
+        # An unallocated block (a column past the table, or a negative entry) is a zero tap, as in the
+        # PyTorch kernel: its table entry and its cache row are never read.
+        in_table = in_cache & (column < max_blocks)
         block = tl.load(
-            block_table_ptr + request * stride_table_request + (q_safe // block_size) * stride_table_block,
-            mask=channel_mask & in_cache,
-            other=0,
+            block_table_ptr + request * stride_table_request + column * stride_table_block,
+            mask=channel_mask & in_table,
+            other=-1,
         ).to(tl.int64)
+        allocated = in_table & (block >= 0)
         from_cache = tl.load(
-            cache_ptr + block * stride_cache_block + (q_safe % block_size) * stride_cache_slot + cache_channel,
-            mask=channel_mask & in_cache,
+            cache_ptr + tl.maximum(block, 0) * stride_cache_block + (q_safe % block_size) * stride_cache_slot
+            + cache_channel,
+            mask=channel_mask & allocated,
             other=0.0,
         ).to(tl.float32)
         tap = tl.where(in_step, from_x, from_cache)
@@ -170,6 +177,7 @@ def sconv_triton(
         y,
         width,
         block_size,
+        block_table.shape[1],
         stream_offset,
         x.stride(0),
         x.stride(1),
