@@ -57,6 +57,7 @@ class KernelBuild:
     num_warps: int
     global_loads: str  # e.g. "128x2 32x1": load widths in bits x count
     global_stores: str
+    barriers: int  # BAR.SYNC in the SASS: a kernel that orders reads before stores must keep its barrier
     spill_allowed: bool
 
     @property
@@ -133,21 +134,17 @@ def _nvidia_tool(name: str) -> str:
 def _compile(launch: _Launch, target_name: str, capability: int) -> KernelBuild:
     import triton
     from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource, make_backend
-    from triton.runtime.jit import create_function_from_signature
+    from triton.compiler import ASTSource
 
     fn = launch.fn
     target = GPUTarget("cuda", capability, 32)
-    backend = make_backend(target)
-    binder = create_function_from_signature(fn.signature, fn.params, backend)
-    kwargs = {"debug": False, **launch.kwargs}
-    bound, specialization, options = binder(*launch.args, **kwargs)
+    backend, bound, specialization, options, kwargs = _bind(launch, capability)
     options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, specialization, options)
     try:
         compiled = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target,
                                   options=options.__dict__)
     except Exception as error:  # report which kernel and configuration failed, then fail
-        raise RuntimeError(f"{launch.op}: {fn.__name__} [{_config(fn, constexprs, options)}] does not compile "
+        raise RuntimeError(f"{launch.op}: {fn.__name__} [{_config(fn, constexprs, specialization, options)}] does not compile "
                            f"for {target_name}:\n{error}") from error
     with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
         cubin.write(compiled.asm["cubin"])
@@ -161,7 +158,7 @@ def _compile(launch: _Launch, target_name: str, capability: int) -> KernelBuild:
     return KernelBuild(
         op=launch.op,
         kernel=fn.__name__,
-        config=_config(fn, constexprs, options),
+        config=_config(fn, constexprs, specialization, options),
         target=target_name,
         registers=int(resources.get("REG", 0)),
         stack=int(resources.get("STACK", 0)),
@@ -170,16 +167,56 @@ def _compile(launch: _Launch, target_name: str, capability: int) -> KernelBuild:
         num_warps=options.num_warps,
         global_loads=_access_widths(sass, "LDG"),
         global_stores=_access_widths(sass, "STG"),
+        barriers=len(re.findall(r"\bBAR\.SYNC", sass)),
         spill_allowed=fn.__name__ in allowed,
     )
 
 
-def _config(fn, constexprs: dict, options) -> str:
-    """The kernel's declared ``tl.constexpr`` values and warps; Triton's own specialisations (an int
-    argument equal to 1 becomes a constant) are left out: they follow from the shapes."""
+def _config(fn, constexprs: dict, specialization: list, options) -> str:
+    """The kernel's declared ``tl.constexpr`` values and warps, then (after ``|``) the int arguments Triton
+    specialised to the constant 1 (a unit stride, a single column), which also change the code."""
     consts = " ".join(f"{fn.params[path[0]].name}={value}" for path, value in sorted(constexprs.items())
                       if len(path) == 1 and fn.params[path[0]].is_constexpr)
-    return f"{consts} warps={options.num_warps}".strip()
+    ones = [p.name for p, (kind, _) in zip(fn.params, specialization) if kind == "constexpr" and not p.is_constexpr]
+    return f"{consts} warps={options.num_warps}".strip() + (f" | 1: {','.join(ones)}" if ones else "")
+
+
+_BINDERS: dict[tuple[object, int], tuple[object, object]] = {}
+
+
+def _bind(launch: _Launch, capability: int):
+    """Triton's own argument binding for ``capability``: (backend, bound args, specialisation, options,
+    kwargs). One binder per (kernel, target), as Triton's runtime keeps one per device."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import make_backend
+    from triton.runtime.jit import create_function_from_signature
+
+    key = (launch.fn, capability)
+    if key not in _BINDERS:
+        backend = make_backend(GPUTarget("cuda", capability, 32))
+        _BINDERS[key] = backend, create_function_from_signature(launch.fn.signature, launch.fn.params, backend)
+    backend, binder = _BINDERS[key]
+    kwargs = {"debug": False, **launch.kwargs}
+    bound, specialization, options = binder(*launch.args, **kwargs)
+    return backend, bound, specialization, options, kwargs
+
+
+def unsupported_reason() -> str | None:
+    """Why this Triton cannot run the check (it drives Triton's compile internals), or None."""
+    try:
+        from triton.compiler import ASTSource, make_backend  # noqa: F401
+        from triton.runtime.jit import JITFunction, create_function_from_signature  # noqa: F401
+    except ImportError as error:
+        return f"Triton {_triton_version()} lacks an API the GPU-build check drives: {error}"
+    if not hasattr(JITFunction, "_pack_args"):
+        return f"Triton {_triton_version()} has no JITFunction._pack_args (the check is written for 3.8-3.9)"
+    return None
+
+
+def _triton_version() -> str:
+    import triton
+
+    return triton.__version__
 
 
 def build_all() -> list[KernelBuild]:
@@ -187,15 +224,12 @@ def build_all() -> list[KernelBuild]:
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         raise RuntimeError("gpu_build needs a process without TRITON_INTERPRET: interpreted kernels cannot "
                            "be compiled")
+    reason = unsupported_reason()
+    if reason:
+        raise RuntimeError(reason)
     seen: dict[tuple, _Launch] = {}
     for launch in _record_launches():
-        from triton.backends.compiler import GPUTarget
-        from triton.compiler import make_backend
-        from triton.runtime.jit import create_function_from_signature
-
-        backend = make_backend(GPUTarget("cuda", 90, 32))
-        binder = create_function_from_signature(launch.fn.signature, launch.fn.params, backend)
-        _, specialization, _ = binder(*launch.args, **{"debug": False, **launch.kwargs})
+        _, _, specialization, _, _ = _bind(launch, TARGETS[0][1])
         key = (launch.op, launch.fn.__name__, repr(specialization), repr(sorted(launch.kwargs.items())))
         seen.setdefault(key, launch)
     builds = [_compile(launch, name, cap) for launch in seen.values() for name, cap in TARGETS]
@@ -205,21 +239,31 @@ def build_all() -> list[KernelBuild]:
 
 
 def format_table(builds: list[KernelBuild]) -> str:
-    header = ("op", "kernel", "config", "target", "regs", "stack", "local", "smem", "occupancy", "LDG bits",
-              "STG bits")
+    header = ("op", "kernel", "config", "target", "regs", "stack", "local", "smem", "occupancy", "bar",
+              "LDG bits", "STG bits")
     rows = [header] + [
         (b.op, b.kernel, b.config, b.target, str(b.registers), str(b.stack), str(b.local_bytes),
-         str(b.shared_bytes), f"{b.occupancy:.0%}", b.global_loads, b.global_stores)
+         str(b.shared_bytes), f"{b.occupancy:.0%}", str(b.barriers), b.global_loads, b.global_stores)
         for b in builds
     ]
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    """Print the table; ``--json PATH`` also writes every build's fields. Exit 1 on an unexplained spill."""
+    import argparse
+    import dataclasses
+    import json
+
+    parser = argparse.ArgumentParser(prog="python -m stepops.testing.gpu_build", description=__doc__.split("\n")[0])
+    parser.add_argument("--json", metavar="PATH", help="write every build as a JSON list")
+    args = parser.parse_args(argv)
     torch.manual_seed(0)
     builds = build_all()
     print(format_table(builds))
+    if args.json:
+        Path(args.json).write_text(json.dumps([dataclasses.asdict(b) for b in builds], indent=1))
     problems = [p for b in builds for p in b.problems]
     for problem in problems:
         print(f"ERROR: {problem}", file=sys.stderr)
