@@ -22,12 +22,26 @@ class TokenMetadata(NamedTuple):
     position: torch.Tensor  # absolute position of the token in its sequence
 
 
+def check_same_device(builder: str, **tensors: torch.Tensor) -> None:
+    """``ValueError`` naming the first tensor not on the first one's device (a builder's inputs must agree:
+    a CPU index tensor gathering from a CUDA tensor would sync, or fail deep inside an op)."""
+    (first, first_tensor), *others = tensors.items()
+    for name, tensor in others:
+        if tensor.device != first_tensor.device:
+            raise ValueError(
+                f"{builder}: {name} is on {tensor.device}, {first} on {first_tensor.device}; "
+                "all must share one device"
+            )
+
+
 def build_token_metadata(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, num_tokens: int) -> TokenMetadata:
     """Map each of ``num_tokens`` flat token slots to its request, chunk start and position.
 
-    ``query_start_loc``: ``[R + 1]`` int, non-decreasing, starting at 0. ``seq_lens``: ``[R]`` int.
-    Every output lives on ``query_start_loc.device``; shapes depend only on ``num_tokens``.
+    ``query_start_loc``: ``[R + 1]`` int, non-decreasing, starting at 0. ``seq_lens``: ``[R]`` int, on the
+    same device (``ValueError`` otherwise). Every output lives on that device; shapes depend only on
+    ``num_tokens``.
     """
+    check_same_device("build_token_metadata", query_start_loc=query_start_loc, seq_lens=seq_lens)
     if query_start_loc.dim() != 1 or seq_lens.dim() != 1 or query_start_loc.numel() != seq_lens.numel() + 1:
         raise ValueError(
             f"query_start_loc must be [R + 1] and seq_lens [R]; got {tuple(query_start_loc.shape)} "

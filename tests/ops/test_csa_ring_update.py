@@ -163,24 +163,22 @@ def test_trap_verify_step_whose_first_token_closes_with_capacity_7_plus_k(summar
     closes region 2 and replays rows 16..22 from the ring while token 26 is stored on row 26 % 10 = 6,
     the row of position 16. A kernel that lets that store land first gets a different summary."""
     k, proxy_dim = 3, 16
-    step = make_step(
-        [23], [23], proxy_dim=proxy_dim, capacity=7 + k, summary_dtype=summary_dtype,
-        device=triton_device() if kernel != "torch" else "cpu",
-    )  # fmt: skip
+    device = triton_device() if kernel != "torch" else torch.device("cpu")
+    step = make_step([23], [23], proxy_dim=proxy_dim, capacity=7 + k, summary_dtype=summary_dtype, device=device)
     prefill_k, prefill_z = step.index_k.clone(), step.index_z.clone()
     run(kernel, step)
     verify = make_step([k + 1], [27], proxy_dim=proxy_dim, capacity=7 + k, summary_dtype=summary_dtype)
-    step.index_k, step.index_z = verify.index_k.to(step.index_k.device), verify.index_z.to(step.index_k.device)
+    step.index_k, step.index_z = verify.index_k.to(device), verify.index_z.to(device)
     step.metadata = build_csa_ring_metadata(
-        torch.tensor([0, k + 1], dtype=torch.int32), torch.tensor([27], dtype=torch.int32), step.ring_blocks,
-        step.rows_per_block, step.summary_block_table, SUMMARY_BLOCK_SIZE, k + 1,
+        torch.tensor([0, k + 1], dtype=torch.int32, device=device), torch.tensor([27], dtype=torch.int32, device=device),
+        step.ring_blocks, step.rows_per_block, step.summary_block_table, SUMMARY_BLOCK_SIZE, k + 1,
     )  # fmt: skip
     assert step.metadata.summary_slot[0] >= 0 and step.metadata.position[-1] == 26
     run(kernel, step)
     all_k = torch.cat([prefill_k, step.index_k])
     all_z = torch.cat([prefill_z, step.index_z])
-    expected = reference_summary(all_k[16:24], all_z[16:24], summary_dtype)
-    assert torch.equal(summary_bytes(step.summary_cache)[summary_slot(step, 0, 2)], expected)
+    expected = reference_summary(all_k[16:24].cpu(), all_z[16:24].cpu(), summary_dtype)
+    assert torch.equal(summary_bytes(step.summary_cache)[summary_slot(step, 0, 2)].cpu(), expected)
     base = int(step.ring_blocks[0]) * step.rows_per_block
     assert torch.equal(step.ring[base + 6], torch.cat([all_k[26], all_z[26]]))
 
@@ -315,6 +313,23 @@ def test_metadata_builder_matches_a_python_walk():
         got = getattr(metadata, name)
         assert got.dtype == torch.int32 and got.shape == (num_tokens,)
         assert got.tolist() == expected[name], name
+
+
+@pytest.mark.parametrize("on_meta", ["seq_lens", "ring_blocks", "summary_block_table"])
+def test_metadata_builder_rejects_inputs_on_different_devices(on_meta):
+    """``meta`` tensors stand in for a second device on a CPU-only machine."""
+    args = {
+        "query_start_loc": torch.tensor([0, 4], dtype=torch.int32),
+        "seq_lens": torch.tensor([27], dtype=torch.int32),
+        "ring_blocks": torch.tensor([1], dtype=torch.int32),
+        "rows_per_block": 10,
+        "summary_block_table": torch.tensor([[0, 1]], dtype=torch.int32),
+        "summary_block_size": 4,
+        "num_tokens": 4,
+    }
+    args[on_meta] = args[on_meta].to("meta")
+    with pytest.raises(ValueError, match=f"build_csa_ring_metadata: {on_meta} is on meta, query_start_loc on cpu"):
+        build_csa_ring_metadata(**args)
 
 
 # ------------------------------------------------------------------------------------------------------

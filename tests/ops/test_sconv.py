@@ -122,19 +122,20 @@ def test_triton_kernel_matches_torch_kernel(sample):
         assert torch.equal(y_got, y_want)
 
 
-def _step(stream, *, prior_lens, new_lens, num_tokens, block_size=None, block_gap=0, seed=0):
-    """One random step of the sample layout: (x, weight, cache, block_table, metadata, offset)."""
+def _step(stream, *, prior_lens, new_lens, num_tokens, block_size=None, block_gap=0, seed=0, device=None):
+    """One random step of the sample layout: (x, weight, cache, block_table, metadata, offset), on ``device``
+    (CPU by default)."""
     generator = torch.Generator().manual_seed(seed)
     offset, width = SAMPLE_LAYOUT.stream_range(stream)
     shape = SAMPLE_LAYOUT.cache_shape(num_blocks=32, block_size=block_size)
     n = shape[2]
     max_blocks = max(-(-(p + k) // n) for p, k in zip(prior_lens, new_lens))
-    device = torch.device("cpu")
+    device = device or torch.device("cpu")
     block_table = random_block_table(len(new_lens), max_blocks, shape[0], generator=generator, device=device)
     metadata = step_metadata(prior_lens, new_lens, block_table, n, num_tokens)
     channels = SAMPLE_LAYOUT.local_num_kv_heads * width
-    x = torch.randn(num_tokens, channels, generator=generator).to(torch.bfloat16)
-    weight = torch.randn(channels, SAMPLE_LAYOUT.kernel_size, generator=generator).to(torch.bfloat16)
+    x = torch.randn(num_tokens, channels, generator=generator).to(device=device, dtype=torch.bfloat16)
+    weight = torch.randn(channels, SAMPLE_LAYOUT.kernel_size, generator=generator).to(device=device, dtype=torch.bfloat16)
     cache = sample_cache(shape, block_gap=block_gap, generator=generator, device=device)
     return x, weight, cache, block_table, metadata, offset
 
@@ -154,8 +155,9 @@ def test_four_streams_never_overwrite_each_other_and_padding_writes_nothing(kern
     The step has padding tokens (NaN inputs) and one real token with slot -1 (computed, not stored).
     """
     run = _KERNELS[kernel]
+    device = triton_device() if kernel == "triton" else torch.device("cpu")
     _, _, cache, block_table, metadata, _ = _step(
-        InklingStream.K, prior_lens=[6, 0, 3], new_lens=[3, 5, 1], num_tokens=12, block_gap=40
+        InklingStream.K, prior_lens=[6, 0, 3], new_lens=[3, 5, 1], num_tokens=12, block_gap=40, device=device
     )
     _poison(cache)
     slot_mapping = metadata.slot_mapping.clone()
@@ -165,9 +167,9 @@ def test_four_streams_never_overwrite_each_other_and_padding_writes_nothing(kern
     for stream in InklingStream:
         offset, width = SAMPLE_LAYOUT.stream_range(stream)
         channels = SAMPLE_LAYOUT.local_num_kv_heads * width
-        x = torch.randn(metadata.token_request.numel(), channels).to(torch.bfloat16)
+        x = torch.randn(metadata.token_request.numel(), channels).to(device=device, dtype=torch.bfloat16)
         x[padding] = float("nan")
-        weight = torch.randn(channels, SAMPLE_LAYOUT.kernel_size).to(torch.bfloat16)
+        weight = torch.randn(channels, SAMPLE_LAYOUT.kernel_size).to(device=device, dtype=torch.bfloat16)
         want = _expected_storage(x, cache, metadata, offset)
         y = run(x, weight, cache, block_table, metadata, offset)
         assert torch.equal(_base(cache), want), stream.name
@@ -399,6 +401,11 @@ def test_build_sconv_metadata_rejects_bad_block_size_and_table():
         build_sconv_metadata(qsl, seq_lens, table.long(), 4, 4)
     with pytest.raises(ValueError, match="rows"):
         build_sconv_metadata(qsl, seq_lens, torch.zeros(2, 2, dtype=torch.int32), 4, 4)
+    # meta tensors stand in for a second device on a CPU-only machine.
+    with pytest.raises(ValueError, match="build_sconv_metadata: query_start_loc is on cpu, block_table on meta"):
+        build_sconv_metadata(qsl, seq_lens, table.to("meta"), 4, 4)
+    with pytest.raises(ValueError, match="build_sconv_metadata: seq_lens is on meta, block_table on cpu"):
+        build_sconv_metadata(qsl, seq_lens.to("meta"), table, 4, 4)
 
 
 def test_docs_worked_example_runs():

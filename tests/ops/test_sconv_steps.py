@@ -9,6 +9,7 @@ import random
 import pytest
 import torch
 
+from conftest import triton_device
 from stepops.layouts import InklingStream
 from stepops.ops.sconv import sconv
 from stepops.ops.sconv.samples import SAMPLE_LAYOUT, random_block_table, sample_cache, step_metadata
@@ -36,12 +37,15 @@ class _Engine:
 
     def __init__(self, *, num_requests, max_blocks, block_size, stream, weight, kernel, seed, flags=None):
         generator = torch.Generator().manual_seed(seed)
-        cpu = torch.device("cpu")
+        # Everything the kernel sees lives where the kernel runs; outputs come back to the CPU.
+        self.device = triton_device() if kernel is _triton_kernel else torch.device("cpu")
         shape = (num_requests * max_blocks + 3, _H, block_size, SAMPLE_LAYOUT.head_size)
-        self.cache = sample_cache(shape, block_gap=24, generator=generator, device=cpu)
-        self.block_table = random_block_table(num_requests, max_blocks, shape[0], generator=generator, device=cpu)
+        self.cache = sample_cache(shape, block_gap=24, generator=generator, device=self.device)
+        self.block_table = random_block_table(
+            num_requests, max_blocks, shape[0], generator=generator, device=self.device
+        )
         self.offset, self.width = SAMPLE_LAYOUT.stream_range(stream)
-        self.weight, self.kernel, self.flags = weight, kernel, flags or {}
+        self.weight, self.kernel, self.flags = weight.to(self.device), kernel, flags or {}
         self.lens = [0] * num_requests  # positions each request holds (rolled back after rejected drafts)
 
     def step(self, rows: dict, num_tokens: int) -> dict:
@@ -54,7 +58,8 @@ class _Engine:
             if n:
                 x[start : start + n] = rows[r]
             start += n
-        y = self.kernel(x, self.weight, self.cache, self.block_table, metadata, self.offset, **self.flags)
+        x = x.to(self.device)
+        y = self.kernel(x, self.weight, self.cache, self.block_table, metadata, self.offset, **self.flags).cpu()
         assert not y.isnan().any(), "a padding row leaked into an output"
         out, start = {}, 0
         for r, n in enumerate(new_lens):
@@ -67,13 +72,14 @@ class _Engine:
     def stored_rows(self, request: int, length: int) -> torch.Tensor:
         """``[length, C]``: the inputs the cache holds for positions ``0 .. length-1`` of ``request``."""
         n = self.cache.shape[2]
-        blocks = self.block_table[request, torch.arange(length) // n].long()
-        rows = self.cache[blocks, :, torch.arange(length) % n, self.offset : self.offset + self.width]
+        cache, block_table = self.cache.cpu(), self.block_table.cpu()
+        blocks = block_table[request, torch.arange(length) // n].long()
+        rows = cache[blocks, :, torch.arange(length) % n, self.offset : self.offset + self.width]
         return rows.reshape(length, -1)
 
     def request_blocks(self, request: int) -> torch.Tensor:
-        """Every element of ``request``'s blocks (all four streams)."""
-        return self.cache[self.block_table[request].long()]
+        """Every element of ``request``'s blocks (all four streams), on the CPU."""
+        return self.cache[self.block_table[request].long()].cpu()
 
 
 def _dense_reference(x_seq: torch.Tensor, weight: torch.Tensor, *, residual=True, silu=False) -> torch.Tensor:

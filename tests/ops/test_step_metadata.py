@@ -43,3 +43,9 @@ def test_a_step_of_padding_only():
 def test_shape_mismatch_is_a_value_error():
     with pytest.raises(ValueError, match=r"query_start_loc must be \[R \+ 1\]"):
         build_token_metadata(torch.tensor([0, 1]), torch.tensor([1, 2]), 4)
+
+
+def test_inputs_on_different_devices_are_a_value_error():
+    """``meta`` tensors stand in for a second device on a CPU-only machine."""
+    with pytest.raises(ValueError, match="build_token_metadata: seq_lens is on meta, query_start_loc on cpu"):
+        build_token_metadata(torch.tensor([0, 1]), torch.tensor([1], device="meta"), 4)

@@ -7,7 +7,7 @@ from typing import NamedTuple
 import torch
 
 from stepops._meta.csa_ring_update import REGION_SIZE
-from stepops.ops.step_metadata import build_token_metadata
+from stepops.ops.step_metadata import build_token_metadata, check_same_device
 
 
 class CSARingMetadata(NamedTuple):
@@ -38,9 +38,17 @@ def build_csa_ring_metadata(
     ``g = position // 8`` of request ``r`` has its summary at slot
     ``summary_block_table[r, g // summary_block_size] * summary_block_size + g % summary_block_size``.
     A closing token gets slot ``-1`` (no summary is written) when that block-table entry is negative or its
-    column is past the table's width. Every output is on ``query_start_loc.device`` and has length
-    ``num_tokens``; nothing is read back to the host, so the builder can run inside a CUDA graph.
+    column is past the table's width. The four tensors must share one device (``ValueError`` otherwise);
+    every output is on it and has length ``num_tokens``; nothing is read back to the host, so the builder
+    can run inside a CUDA graph.
     """
+    check_same_device(
+        "build_csa_ring_metadata",
+        query_start_loc=query_start_loc,
+        seq_lens=seq_lens,
+        ring_blocks=ring_blocks,
+        summary_block_table=summary_block_table,
+    )
     if ring_blocks.dim() != 1 or ring_blocks.shape[0] != seq_lens.shape[0]:
         raise ValueError(f"ring_blocks must be [R] = [{seq_lens.shape[0]}], got {tuple(ring_blocks.shape)}")
     if (

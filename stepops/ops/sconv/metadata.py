@@ -6,7 +6,7 @@ from typing import NamedTuple
 
 import torch
 
-from stepops.ops.step_metadata import build_token_metadata
+from stepops.ops.step_metadata import build_token_metadata, check_same_device
 
 
 class SconvMetadata(NamedTuple):
@@ -33,9 +33,12 @@ def build_sconv_metadata(
     ``p`` of request ``r`` gets ``slot_mapping[t] = block_table[r, p // N] * N + p % N``; tokens past
     ``query_start_loc[-1]`` are padding (``-1``). A real token whose block is not allocated (a negative
     block-table entry, or a column ``p // N`` past the table's width) gets slot ``-1``: the op computes its
-    output but stores nothing, rather than writing another position's slot. Everything stays on
-    ``block_table.device`` and shapes depend only on ``num_tokens``.
+    output but stores nothing, rather than writing another position's slot. The three tensors must share
+    one device (``ValueError`` otherwise); everything stays on it and shapes depend only on ``num_tokens``.
     """
+    check_same_device(
+        "build_sconv_metadata", block_table=block_table, query_start_loc=query_start_loc, seq_lens=seq_lens
+    )
     if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
         raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
     if block_table.dtype != torch.int32 or block_table.dim() != 2 or block_table.shape[1] < 1:
