@@ -13,7 +13,11 @@ py="$venv/bin/python"
 
 [ -x "$py" ] || python3 -m venv "$venv"
 if ! "$py" -c "import torch" >/dev/null 2>&1; then
-    "$py" -m pip install --quiet "torch==2.13.0"
+    # The CPU wheel: this project's machines keep it on disk as 2.13.0+cpu; elsewhere PyPI's Linux wheel
+    # is the CUDA build, so take it from PyTorch's CPU index; on macOS PyPI's wheel is the CPU build.
+    "$py" -m pip install --quiet "torch==2.13.0+cpu" 2>/dev/null \
+        || "$py" -m pip install --quiet "torch==2.13.0" --index-url https://download.pytorch.org/whl/cpu \
+        || "$py" -m pip install --quiet "torch==2.13.0"
 fi
 stamp="$venv/.stepops-installed"
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
