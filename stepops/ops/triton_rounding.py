@@ -11,6 +11,8 @@ import triton.language as tl
 
 # The largest finite float8_e4m3fn value, 448 = 1.75 * 2**8; codes saturate to it.
 FP8_E4M3_MAX = tl.constexpr(448.0)
+# e4m3fn's only NaN encoding (exponent and mantissa all ones) without its sign bit.
+_FP8_E4M3_NAN_CODE = tl.constexpr(0x7F)
 # Smallest normal float8_e4m3fn, 2**-6; below it the code counts subnormal steps of 2**-9.
 _FP8_E4M3_MIN_NORMAL = tl.constexpr(0.015625)
 
@@ -29,10 +31,14 @@ def round_fp32_to_bf16(x):
 
 @triton.jit
 def fp8_e4m3_code(x):
-    """Code (uint8) of the float8_e4m3fn nearest to ``x`` (fp32, finite), ties to even, saturating at
-    +-448 where PyTorch's cast of an out-of-range value is platform-defined."""
+    """Code (uint8) of the float8_e4m3fn nearest to ``x`` (fp32), ties to even, saturating at +-448 (Inf
+    included) where PyTorch's cast of an out-of-range value is platform-defined. NaN gives e4m3fn's NaN
+    code with ``x``'s sign, ``0x7F`` or ``0xFF``, as PyTorch's cast does (a GPU's ``tl.minimum`` drops NaN,
+    so NaN is selected explicitly rather than left to the clamp)."""
     sign = (x.to(tl.uint32, bitcast=True) >> 31) << 7
-    ax = tl.minimum(tl.abs(x), FP8_E4M3_MAX)
+    is_nan = x != x
+    # NaN lanes compute on 0 and are replaced at the end: no NaN arithmetic, no NaN -> int cast.
+    ax = tl.where(is_nan, 0.0, tl.minimum(tl.abs(x), FP8_E4M3_MAX))
     bits = ax.to(tl.uint32, bitcast=True)
     # Normal: round the fp32 mantissa to 3 bits; (bits >> 20) is then (fp32 exponent << 3) | mantissa, and
     # rebasing the exponent from bias 127 to bias 7 subtracts 120 << 3.
@@ -42,4 +48,5 @@ def fp8_e4m3_code(x):
     # product is exact). A result of 8 is the code of 2**-6, the smallest normal, as it should be.
     subnormal = ((ax * 512.0 + 8388608.0) - 8388608.0).to(tl.uint32)
     code = tl.where(ax < _FP8_E4M3_MIN_NORMAL, subnormal, normal)
+    code = tl.where(is_nan, _FP8_E4M3_NAN_CODE, code)
     return (code | sign).to(tl.uint8)

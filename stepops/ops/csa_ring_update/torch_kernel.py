@@ -46,7 +46,11 @@ def fold_region(k_rows: torch.Tensor, z_rows: torch.Tensor) -> torch.Tensor:
 def to_summary_dtype(summary: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """fp32 -> bf16 (round to nearest even); for float8_e4m3fn, then clamp to +-448 and cast (RNE).
 
-    The clamp makes overflow saturate instead of producing NaN (e4m3fn has no infinity).
+    The clamp makes overflow saturate instead of producing NaN (e4m3fn has no infinity). A NaN stays NaN:
+    the e4m3fn NaN code with the bf16 NaN's sign, ``0x7F`` or ``0xFF``, as the Triton kernel's
+    ``fp8_e4m3_code`` gives it. Which NaN the fp32 -> bf16 step yields is platform-defined in both
+    kernels (torch's vectorised CPU cast gives ``0xFFFF`` for any NaN), so NaN summaries agree as NaN,
+    not bit for bit.
     """
     rounded = summary.to(torch.bfloat16)
     if dtype == torch.bfloat16:
