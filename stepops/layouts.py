@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
+from stepops.specs import _check_int
+
 # One [index_k | index_z] bf16 row: (proxy_dim 256 + pooling logits 256) * 2 bytes.
 ROW_BYTES = 1024
 
@@ -33,14 +35,6 @@ _BF16_BYTES = torch.bfloat16.itemsize
 # main layer's block size to be a multiple of 16 (FlashAttention-style kernels tile tokens by 16), and a
 # page beyond 4096 tokens is no longer a sensible --block-size.
 BLOCK_SIZE_CANDIDATES: tuple[int, ...] = tuple(range(16, 4096 + 1, 16))
-
-
-def _check_int(name: str, value: object, minimum: int) -> None:
-    # bool is an int subclass; a flag passed as a size is a caller bug, not 0 or 1.
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
 
 
 # --------------------------------------------------------------------------------------------------------

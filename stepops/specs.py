@@ -21,7 +21,9 @@ import torch
 
 
 def _check_int(name: str, value: object, minimum: int) -> None:
-    # bool is an int subclass; a flag passed as a size is a caller bug.
+    """The package's one size check (also used by :mod:`stepops.layouts` and the owners): ``TypeError``
+    unless ``value`` is an int, ``ValueError`` below ``minimum``."""
+    # bool is an int subclass; a flag passed as a size is a caller bug, not 0 or 1.
     if not isinstance(value, int) or isinstance(value, bool):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
     if value < minimum:

@@ -16,7 +16,7 @@ from torch import nn
 from stepops.layouts import ROW_BYTES, CSATailRingLayout
 from stepops.ops.csa_ring_update import CSARingMetadata, build_csa_ring_metadata, csa_ring_update
 from stepops.owners._context import BlockStridedBackend, register_layer
-from stepops.specs import AttentionSpec, CircularBufferSpec
+from stepops.specs import AttentionSpec, CircularBufferSpec, _check_int
 
 
 class Step5CSATailRingMetadataBuilder:
@@ -94,10 +94,8 @@ class Step5CSATailRing(nn.Module):
         static_forward_context: MutableMapping[str, Any],
     ) -> None:
         super().__init__()
-        if not isinstance(num_speculative_tokens, int) or isinstance(num_speculative_tokens, bool):
-            raise TypeError(f"num_speculative_tokens must be an int, got {type(num_speculative_tokens).__name__}")
-        if num_speculative_tokens < 0:
-            raise ValueError(f"num_speculative_tokens must be >= 0, got {num_speculative_tokens}")
+        # Checked before registering, by the check CSATailRingLayout runs later (one implementation, same text).
+        _check_int("num_speculative_tokens", num_speculative_tokens, 0)
         register_layer(prefix, self, static_forward_context)
         self._static_forward_context = static_forward_context
         self.layer_name = prefix
