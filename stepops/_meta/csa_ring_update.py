@@ -16,6 +16,10 @@ REGION_SIZE = 8
 # step's rejected drafts; the op cannot know k.)
 MIN_CAPACITY = REGION_SIZE - 1
 
+# The largest finite float8_e4m3fn value, 448 = 1.75 * 2**8: fp8 summaries saturate to it (e4m3fn has no
+# infinity). A plain float so the CPU path needs no Triton; triton_rounding wraps it for the kernels.
+FP8_E4M3_MAX = 448.0
+
 # uint8 means float8_e4m3fn codes: the wrapper passes fp8 caches as uint8 views because torch cannot
 # compare float8 tensors on CPU (allclose/equal are not implemented), which opcheck's test_schema needs.
 FP8_SUMMARY_DTYPES = (torch.float8_e4m3fn, torch.uint8)

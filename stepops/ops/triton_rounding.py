@@ -9,8 +9,10 @@ machine; in memory-bound kernels the few integer ops cost nothing measurable.
 import triton
 import triton.language as tl
 
-# The largest finite float8_e4m3fn value, 448 = 1.75 * 2**8; codes saturate to it.
-FP8_E4M3_MAX = tl.constexpr(448.0)
+from stepops._meta import csa_ring_update as _csa_meta
+
+# The largest finite float8_e4m3fn value (448); codes saturate to it.
+FP8_E4M3_MAX = tl.constexpr(_csa_meta.FP8_E4M3_MAX)
 # e4m3fn's only NaN encoding (exponent and mantissa all ones) without its sign bit.
 _FP8_E4M3_NAN_CODE = tl.constexpr(0x7F)
 # Smallest normal float8_e4m3fn, 2**-6; below it the code counts subnormal steps of 2**-9.

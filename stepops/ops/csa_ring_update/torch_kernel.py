@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from stepops._meta.csa_ring_update import FP8_SUMMARY_DTYPES, REGION_SIZE, check_csa_ring_update_args
-
-FP8_E4M3_MAX = 448.0
+from stepops._meta.csa_ring_update import FP8_E4M3_MAX, REGION_SIZE, check_csa_ring_update_args
 
 
 def exp_fp32(x: torch.Tensor) -> torch.Tensor:
