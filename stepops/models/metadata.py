@@ -39,14 +39,21 @@ class StepBuffers(NamedTuple):
 
 
 def paged_slot_mapping(token: TokenMetadata, block_table: torch.Tensor, block_size: int) -> torch.Tensor:
-    """``[T]`` int32: ``block_table[r, p // N] * N + p % N`` for a token at position ``p`` of request ``r``;
-    ``-1`` for padding. Positions past the table are clamped into it (the runner sizes tables so none is)."""
-    real = token.position >= 0
+    """``[T]`` int32: ``block_table[r, p // N] * N + p % N`` for a token at position ``p`` of request ``r``.
+
+    ``-1`` (write nothing) for padding, for a position past the table's ``max_blocks * N`` and for an
+    unallocated (``-1``) block entry: such a token has no slot of its own, and any slot made up for it
+    would be another position's (the runner sizes its tables so that real tokens never hit these cases).
+    """
     request = token.request.long().clamp(min=0)
     position = token.position.long().clamp(min=0)
-    column = (position // block_size).clamp(max=block_table.shape[1] - 1)
-    slot = block_table.long()[request, column] * block_size + position % block_size
-    return torch.where(real, slot, -1).to(torch.int32)
+    column = position // block_size
+    in_table = column < block_table.shape[1]
+    # The clamp only keeps the gather in range; the columns it changes are masked out below.
+    block = block_table.long()[request, column.clamp(max=block_table.shape[1] - 1)]
+    slot = block * block_size + position % block_size
+    has_slot = (token.position >= 0) & in_table & (block >= 0)
+    return torch.where(has_slot, slot, -1).to(torch.int32)
 
 
 class Step5StepMetadata(NamedTuple):
