@@ -199,11 +199,16 @@ def test_ring_bind_rejects_bad_caches_with_value_errors():
         ring.bind_kv_cache(buffer.as_strided((3, 16, 1, 512), (16 * 512 + 256, 512, 512, 1)))
     with pytest.raises(ValueError, match="blocks overlap"):
         ring.bind_kv_cache(buffer.as_strided((3, 16, 1, 512), (8 * 512, 512, 512, 1)))
+    # A wrong tensor, not a wrong --block-size: the message says so (the seed's advice is for the spec).
     with pytest.raises(ValueError) as info:
         ring.bind_kv_cache(torch.zeros(3, 4, 1, 512, dtype=torch.bfloat16))
     assert str(info.value) == (
-        "Step5 CSA tail ring needs 9 rows of 1024 bytes in one 4096-byte KV page; increase --block-size."
+        "Step5 CSA tail ring layers.0.ring: a bound cache block of 4096 bytes (shape (4, 1, 512), "
+        "torch.bfloat16) is not 9 or more whole 1024-byte rows; bind the cache allocated for this ring's "
+        "get_kv_cache_spec()"
     )
+    with pytest.raises(ValueError, match=r"block of 19200 bytes \(shape \(32, 1, 300\), torch.bfloat16\) is not 9 "):
+        ring.bind_kv_cache(torch.zeros(3, 32, 1, 300, dtype=torch.bfloat16))
     with pytest.raises(TypeError, match="must be bfloat16"):
         ring.bind_kv_cache(torch.zeros(3, 16, 1, 256))
     with pytest.raises(TypeError, match="must be a torch.Tensor"):

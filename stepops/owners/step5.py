@@ -151,7 +151,8 @@ class Step5CSATailRing(nn.Module):
         """Bind the ring's bf16 cache ``[num_blocks, ...]`` (one contiguous page per block, any stride(0)).
 
         ``capacity`` comes from the page (``kv_cache[0]``), ``rows_per_block`` from ``stride(0)``; a stride
-        that is not whole rows or overlaps pages, or a page too small for ``7 + k`` rows, is a ``ValueError``.
+        that is not whole rows or overlaps pages, or a page that is not ``7 + k`` or more whole rows, is a
+        ``ValueError`` naming the bound tensor (not the seed's block-size advice, which is for the spec).
         """
         if not isinstance(kv_cache, torch.Tensor):
             raise TypeError(f"kv_cache must be a torch.Tensor, got {type(kv_cache).__name__}")
@@ -160,11 +161,18 @@ class Step5CSATailRing(nn.Module):
                 f"Step5 CSA tail ring cache must be [num_blocks, ...] with num_blocks >= 1, "
                 f"got shape {tuple(kv_cache.shape)}"
             )
+        # The page was sized by get_kv_cache_spec (whose error suggests a larger --block-size); a bound block
+        # that is not whole rows, or too few of them, means the tensor handed over is wrong, so say that.
+        page_bytes = kv_cache[0].numel() * kv_cache.element_size()
+        if page_bytes % ROW_BYTES or page_bytes // ROW_BYTES < self.required_rows:
+            raise ValueError(
+                f"Step5 CSA tail ring {self.layer_name}: a bound cache block of {page_bytes} bytes "
+                f"(shape {tuple(kv_cache.shape[1:])}, {kv_cache.dtype}) is not {self.required_rows} or more whole "
+                f"{ROW_BYTES}-byte rows; bind the cache allocated for this ring's get_kv_cache_spec()"
+            )
         # block_size=1: the bound page only has to be whole rows; the per-token split was checked by the spec.
         layout = CSATailRingLayout(
-            page_bytes=kv_cache[0].numel() * kv_cache.element_size(),
-            block_size=1,
-            num_speculative_tokens=self.num_speculative_tokens,
+            page_bytes=page_bytes, block_size=1, num_speculative_tokens=self.num_speculative_tokens
         )
         bound = layout.bind(kv_cache)
         self.kv_cache = bound.kv_cache
