@@ -254,7 +254,18 @@ VALIDATE_CASES = {
     "duplicate_slots": ("summary_slot", lambda m: torch.where(m >= 0, m.clamp(min=0).max(), m), "same summary_slot"),
     "ring_base_out_of_range": ("ring_base", lambda m: torch.where(m >= 0, m + 10_000, m), "ring_base is outside"),
     "chunk_past_T": ("chunk_len", lambda m: torch.where(m >= 0, m + 5, m), "run past T"),
-}
+    # The step: request 0 = tokens 0..2, request 1 = tokens 3..11 (rings 10 rows), token 12 padding.
+    "rings_share_a_base": ("ring_base", lambda m: torch.where(m >= 0, m[0], m), "rings .* overlap"),
+    "rings_overlap_by_one_row": (
+        "ring_base", lambda m: torch.where(m >= 0, torch.where(m == m[0], 0, 9), m).int(), "rings at ring_base 0 and 9",
+    ),
+    "token_before_its_chunk": ("chunk_start", lambda m: torch.where(m > 0, m + 1, m), "token 3 lies outside"),
+    "positions_not_consecutive": ("position", lambda m: torch.where(m >= 0, 2 * m, m), "not consecutive"),
+    "chunk_len_disagrees": (
+        "chunk_len", lambda m: torch.where(torch.arange(m.numel()) == 4, m - 1, m), "tokens 3 and 4 of one chunk",
+    ),
+    "chunk_covers_padding": ("chunk_len", lambda m: torch.where(m == 9, 10, m), "token 12 is inside the chunk"),
+}  # fmt: skip
 
 
 def test_non_int_capacity_is_a_type_error():

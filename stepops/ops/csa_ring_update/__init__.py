@@ -5,13 +5,13 @@ from __future__ import annotations
 import torch
 
 from stepops._library import declare_op
-from stepops._meta.csa_ring_update import csa_ring_update_fake
+from stepops._meta.csa_ring_update import check_csa_ring_update_args, csa_ring_update_fake
 from stepops.ops.csa_ring_update.metadata import CSARingMetadata, build_csa_ring_metadata
 from stepops.ops.csa_ring_update.samples import samples as csa_ring_update_samples
 from stepops.ops.csa_ring_update.torch_kernel import csa_ring_update as csa_ring_update_torch
 from stepops.ops.csa_ring_update.triton_kernel import csa_ring_update_triton
 
-__all__ = ["CSARingMetadata", "build_csa_ring_metadata", "csa_ring_update"]
+__all__ = ["CSARingMetadata", "build_csa_ring_metadata", "csa_ring_update", "validate_csa_ring_update_inputs"]
 
 csa_ring_update_op = declare_op(
     "csa_ring_update",
@@ -23,21 +23,80 @@ csa_ring_update_op = declare_op(
 )
 
 
-def _validate(ring: torch.Tensor, summary_cache: torch.Tensor, metadata: CSARingMetadata, capacity: int) -> None:
-    """Host-side range checks of the metadata (reads it back: a sync, so keep it off the hot path)."""
-    num_tokens = metadata.position.shape[0]
-    real = metadata.position >= 0
-    if bool((metadata.chunk_start[real] < 0).any()) or bool((metadata.chunk_len[real] < 1).any()):
+def validate_csa_ring_update_inputs(
+    index_k: torch.Tensor,
+    index_z: torch.Tensor,
+    ring: torch.Tensor,
+    summary_cache: torch.Tensor,
+    metadata: CSARingMetadata,
+    capacity: int,
+) -> None:
+    """Host-side data checks of a csa_ring_update call (see :func:`csa_ring_update`); raises ``ValueError``.
+
+    Reads the metadata back (a device sync: for debugging, never in serving or under ``torch.compile``).
+    Beyond the argument checks: each real token ``t`` lies in its own chunk, ``chunk_start <= t <
+    chunk_start + chunk_len <= T``; the tokens of a chunk are exactly those rows, agree on ``chunk_len``
+    and ``ring_base`` and have consecutive positions; every ring ``[ring_base, ring_base + capacity)`` lies
+    inside ``ring`` and the rings of different requests are disjoint (bases at least ``capacity`` apart);
+    summary slots are in range and distinct. These rule out races between the Triton kernel's programs:
+    a program reads and writes only its own request's ring rows and step rows, and no two write one row.
+    """
+    check_csa_ring_update_args(index_k, index_z, ring, summary_cache, *metadata, capacity)
+    position, chunk_start, chunk_len, ring_base, summary_slot = (m.long() for m in metadata)
+    num_tokens = position.shape[0]
+    token = torch.arange(num_tokens, device=position.device)
+    real = position >= 0
+    if bool((chunk_start[real] < 0).any()) or bool((chunk_len[real] < 1).any()):
         raise ValueError("csa_ring_update: a real token has a negative chunk_start or a chunk_len < 1")
-    if bool((metadata.chunk_start[real] + metadata.chunk_len[real] > num_tokens).any()):
+    if bool((chunk_start[real] + chunk_len[real] > num_tokens).any()):
         raise ValueError(f"csa_ring_update: a request's tokens run past T = {num_tokens}")
-    base = metadata.ring_base[real]
+    chunk_end = chunk_start + chunk_len
+    outside = real & ((token < chunk_start) | (token >= chunk_end))
+    if bool(outside.any()):
+        t = int(outside.nonzero()[0])
+        raise ValueError(
+            f"csa_ring_update: token {t} lies outside its chunk [{int(chunk_start[t])}, {int(chunk_end[t])})"
+        )
+    # Each token after its chunk's first agrees with the one before it; each before its chunk's last is
+    # followed by one of the same chunk. By induction the chunk is exactly rows [chunk_start, chunk_end).
+    previous = torch.cat([token.new_full((1,), -1), token[:-1]]).clamp(min=0)
+    follows = real & (token > chunk_start)
+    same = (
+        (chunk_start[previous] == chunk_start)
+        & (chunk_len[previous] == chunk_len)
+        & (ring_base[previous] == ring_base)
+        & (position[previous] == position - 1)
+    )
+    bad = follows & ~same
+    if bool(bad.any()):
+        t = int(bad.nonzero()[0])
+        raise ValueError(
+            f"csa_ring_update: tokens {t - 1} and {t} of one chunk disagree on chunk_start, chunk_len or "
+            f"ring_base, or their positions ({int(position[t - 1])}, {int(position[t])}) are not consecutive"
+        )
+    following = torch.cat([token[1:], token.new_zeros(1)])
+    cut = real & (token + 1 < chunk_end) & (chunk_start[following] != chunk_start)
+    if bool(cut.any()):
+        t = int(cut.nonzero()[0])
+        raise ValueError(
+            f"csa_ring_update: token {t + 1} is inside the chunk [{int(chunk_start[t])}, {int(chunk_end[t])}) "
+            f"of token {t} but does not belong to it"
+        )
+    base = ring_base[real]
     if bool((base < 0).any()) or bool((base + capacity > ring.shape[0]).any()):
         raise ValueError(
             f"csa_ring_update: a ring_base is outside [0, {ring.shape[0] - capacity}] "
             f"(ring rows {ring.shape[0]}, capacity {capacity})"
         )
-    slot = metadata.summary_slot[metadata.summary_slot >= 0]
+    bases = ring_base[real & (token == chunk_start)].sort().values  # one per request
+    overlap = bases[1:] - bases[:-1] < capacity
+    if bool(overlap.any()):
+        i = int(overlap.nonzero()[0])
+        raise ValueError(
+            f"csa_ring_update: the rings at ring_base {int(bases[i])} and {int(bases[i + 1])} of two requests "
+            f"overlap (capacity {capacity}): rings of different requests must be disjoint"
+        )
+    slot = summary_slot[summary_slot >= 0]
     if bool((slot >= summary_cache.shape[0]).any()):
         raise ValueError(f"csa_ring_update: a summary_slot is >= num_slots = {summary_cache.shape[0]}")
     if slot.unique().numel() != slot.numel():
@@ -66,7 +125,8 @@ def csa_ring_update(
             nearest even): a summary beyond the e4m3fn range saturates instead of becoming NaN.
         metadata: from :func:`build_csa_ring_metadata`; fixed-size ``[T]`` int32, ``-1`` for padding.
         capacity: rows per request ring, ``>= 7`` (the layout guarantees ``>= 7 + k``).
-        validate: check ranges (rows, slots, chunks) on the host first. Syncs; for debugging only.
+        validate: run :func:`validate_csa_ring_update_inputs` on the host first (chunks, disjoint rings,
+            rows and slots in range). Syncs; for debugging only.
 
     Position ``p`` of a request lives at ring row ``ring_base + p % capacity``; only the last ``capacity``
     tokens of a request in a step are stored. A token with ``p % 8 == 7`` and a slot writes the summary of
@@ -76,7 +136,7 @@ def csa_ring_update(
     CUDA-graph safe when ``validate`` is off.
     """
     if validate:
-        _validate(ring, summary_cache, metadata, capacity)
+        validate_csa_ring_update_inputs(index_k, index_z, ring, summary_cache, metadata, capacity)
     if summary_cache.dtype == torch.float8_e4m3fn:
         # The op takes fp8 caches as their bytes: torch cannot compare float8 tensors on CPU, and opcheck's
         # schema check compares every argument before and after.
