@@ -46,11 +46,13 @@ def check_paged_kv_write_args(
     if len(devices) != 1:
         raise ValueError(f"paged_kv_write: all tensors must be on one device; got {sorted(map(str, devices))}")
     num_tokens = key.shape[0]
-    torch._check(
-        value.shape[0] == num_tokens and slot_mapping.shape[0] == num_tokens,
-        lambda: "paged_kv_write: key, value and slot_mapping need the same token count; got "
-        f"{key.shape[0]}, {value.shape[0]}, {slot_mapping.shape[0]}",
-    )
+    # A plain comparison, not torch._check (which raises RuntimeError): user errors are ValueErrors. On
+    # symbolic sizes it guards T like the other ops' checks do.
+    if value.shape[0] != num_tokens or slot_mapping.shape[0] != num_tokens:
+        raise ValueError(
+            "paged_kv_write: key, value and slot_mapping need the same token count; got "
+            f"{key.shape[0]}, {value.shape[0]}, {slot_mapping.shape[0]}"
+        )
     if key.shape[1] != value.shape[1] or key.shape[1] != key_cache.shape[2] or value.shape[1] != value_cache.shape[2]:
         raise ValueError(
             "paged_kv_write: the head count H must agree: key "

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from stepops.ops.paged_kv_write import paged_kv_write
 from stepops.ops.paged_kv_write.triton_kernel import paged_kv_write_triton
@@ -85,7 +86,8 @@ def _args(**over):
         (dict(key_cache=torch.zeros(3, 4, 8, dtype=torch.bfloat16)), ValueError, "num_blocks, block_size"),
         (dict(slot_mapping=torch.tensor([0.0, 1.0])), TypeError, "int32 or int64"),
         (dict(key_cache=torch.zeros(3, 4, 2, 4)), TypeError, "input's dtype"),
-        (dict(slot_mapping=torch.tensor([0, 1, 2], dtype=torch.int32)), RuntimeError, "same token count"),
+        (dict(slot_mapping=torch.tensor([0, 1, 2], dtype=torch.int32)), ValueError, "same token count"),
+        (dict(value=torch.zeros(3, 2, 4, dtype=torch.bfloat16)), ValueError, "same token count; got 2, 3, 2"),
         (dict(value=torch.zeros(2, 3, 4, dtype=torch.bfloat16)), ValueError, "head count"),
         (dict(key_cache=torch.zeros(3, 4, 2, 8, dtype=torch.bfloat16)), ValueError, "head sizes"),
         (dict(value_cache=torch.zeros(2, 4, 2, 4, dtype=torch.bfloat16)), ValueError, "same \\[num_blocks"),
@@ -94,6 +96,10 @@ def _args(**over):
 def test_bad_input_gets_a_clear_error(over, error, text):
     with pytest.raises(error, match=text):
         paged_kv_write(**_args(**over))
+    with pytest.raises(error, match=text):
+        paged_kv_write_triton(**_args(**over))
+    with FakeTensorMode() as mode, pytest.raises(error, match=text):
+        torch.ops.stepops.paged_kv_write(**{k: mode.from_tensor(v) for k, v in _args(**over).items()})
 
 
 def test_validate_checks_slot_ranges_and_duplicates():
