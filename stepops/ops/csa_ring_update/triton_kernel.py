@@ -118,6 +118,9 @@ def _csa_ring_update_kernel(
     P: tl.constexpr,
     BLOCK_P: tl.constexpr,
     FP8_SUMMARY: tl.constexpr,
+    # Test-only: programs take tokens in reverse. The interpreter runs programs one at a time in grid
+    # order, so running both orders is how a CPU test shows that no program depends on another having run
+    # first (a store landing before a replay's read would change the result). Serving launches it False.
     REVERSE_GRID: tl.constexpr,
 ):
     t = tl.program_id(0)
@@ -221,9 +224,10 @@ def csa_ring_update_triton(
 ) -> None:
     """Launch :func:`_csa_ring_update_kernel` on a grid of ``(T,)``; same contract as the PyTorch kernel.
 
-    ``reverse_grid`` maps program ``i`` to token ``T - 1 - i``. The interpreter runs programs one at a time
-    in grid order, so tests run both orders to show the result does not depend on the order of programs
-    (no program reads what another writes); on a GPU it only changes the scheduling order.
+    ``reverse_grid`` exists only for tests: it maps program ``i`` to token ``T - 1 - i``. The interpreter
+    runs programs one at a time in grid order, so a store racing a replay's read would go unnoticed in one
+    order; tests run both orders to show the result does not depend on the order of programs (no program
+    reads what another writes). Callers leave it False; on a GPU it only changes the scheduling order.
     """
     _meta.check_csa_ring_update_args(
         index_k,
@@ -267,6 +271,8 @@ def csa_ring_update_triton(
         BLOCK_P=block_p,
         FP8_SUMMARY=fp8,
         REVERSE_GRID=reverse_grid,
+        # About 4 lanes of P per thread (the fold keeps m, s, a and a row's k, z live in fp32 registers),
+        # one warp for small P, at most 4 since a program is a single token's 8 rows.
         num_warps=max(1, min(4, block_p // 128)),
         # Keep `s * alpha + beta` two roundings, as in the PyTorch kernel, so the summaries match bitwise.
         enable_fp_fusion=False,
