@@ -13,7 +13,7 @@ from stepops.ops.csa_ring_update.triton_kernel import csa_ring_update_triton
 
 __all__ = ["CSARingMetadata", "build_csa_ring_metadata", "csa_ring_update", "validate_csa_ring_update_inputs"]
 
-csa_ring_update_op = declare_op(
+declare_op(
     "csa_ring_update",
     mutates_args=("ring", "summary_cache"),
     torch_kernel=csa_ring_update_torch,

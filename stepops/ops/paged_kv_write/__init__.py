@@ -14,7 +14,7 @@ from stepops.ops.paged_kv_write.samples import paged_kv_write_samples
 from stepops.ops.paged_kv_write.torch_kernel import paged_kv_write_torch
 from stepops.ops.paged_kv_write.triton_kernel import paged_kv_write_triton
 
-paged_kv_write_op = declare_op(
+declare_op(
     "paged_kv_write",
     mutates_args=("key_cache", "value_cache"),
     torch_kernel=paged_kv_write_torch,
@@ -51,7 +51,7 @@ def paged_kv_write(
         real = slots[slots >= 0]
         if real.unique().numel() != real.numel():
             raise ValueError("paged_kv_write: two tokens of one call share a slot")
-    paged_kv_write_op(key, value, key_cache, value_cache, slot_mapping)
+    torch.ops.stepops.paged_kv_write(key, value, key_cache, value_cache, slot_mapping)
 
 
 __all__ = ["paged_kv_write"]

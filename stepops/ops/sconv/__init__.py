@@ -20,7 +20,7 @@ from stepops.ops.sconv.triton_kernel import sconv_triton
 
 __all__ = ["SconvMetadata", "build_sconv_metadata", "sconv", "validate_sconv_inputs"]
 
-sconv_op = declare_op(
+declare_op(
     "sconv",
     mutates_args=("cache",),
     torch_kernel=sconv_torch,
@@ -63,7 +63,7 @@ def sconv(
         raise TypeError(f"sconv: metadata must be an SconvMetadata, got {type(metadata).__name__}")
     if validate:
         validate_sconv_inputs(x, weight, cache, block_table, metadata, stream_offset)
-    return sconv_op(x, weight, cache, block_table, *metadata, stream_offset, residual, silu)
+    return torch.ops.stepops.sconv(x, weight, cache, block_table, *metadata, stream_offset, residual, silu)
 
 
 def validate_sconv_inputs(
