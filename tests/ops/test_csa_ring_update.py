@@ -358,12 +358,29 @@ def test_docs_example_runs():
 
 
 def test_summary_matches_textbook_softmax_within_tolerance():
-    """The fold is the softmax-weighted sum it claims to be (independent of its bits)."""
-    k_rows = torch.randn(50, 8, 64).to(torch.bfloat16)
-    z_rows = (torch.randn(50, 8, 64) * 4).to(torch.bfloat16)
-    for k, z in zip(k_rows, z_rows):
-        got = reference_summary(k, z, torch.bfloat16).view(torch.bfloat16).double()
-        torch.testing.assert_close(got, softmax_summary(k, z), atol=_SOFTMAX_TOLERANCE.atol, rtol=_SOFTMAX_TOLERANCE.rtol)
+    """The op's summaries are the softmax-weighted sums they claim to be (independent of their bits).
+
+    A prefill of 50 regions (every summary replayed from the step's inputs) and a decode step closing a
+    region from the ring; z is scaled so the softmax is far from uniform."""
+    step = make_step([399], [399], proxy_dim=64, capacity=10, num_padding=1)
+    step.index_z.mul_(4)
+    csa_ring_update(step.index_k, step.index_z, step.ring, step.summary_cache, step.metadata, 10, validate=True)
+    k_rows, z_rows = step.index_k[:399], step.index_z[:399]
+    decode = make_step([1], [400], proxy_dim=64, capacity=10)
+    decode.index_z.mul_(4)
+    step.index_k, step.index_z = decode.index_k, decode.index_z
+    step.metadata = build_csa_ring_metadata(
+        torch.tensor([0, 1], dtype=torch.int32), torch.tensor([400], dtype=torch.int32), step.ring_blocks,
+        step.rows_per_block, step.summary_block_table, SUMMARY_BLOCK_SIZE, 1,
+    )  # fmt: skip
+    csa_ring_update(step.index_k, step.index_z, step.ring, step.summary_cache, step.metadata, 10, validate=True)
+    k_rows, z_rows = torch.cat([k_rows, step.index_k]), torch.cat([z_rows, step.index_z])
+    for region in range(50):
+        got = step.summary_cache[summary_slot(step, 0, region)].double()
+        want = softmax_summary(k_rows[8 * region : 8 * region + 8], z_rows[8 * region : 8 * region + 8])
+        torch.testing.assert_close(
+            got, want, atol=_SOFTMAX_TOLERANCE.atol, rtol=_SOFTMAX_TOLERANCE.rtol, msg=f"region {region}"
+        )
 
 
 def test_compiled_wrapper_matches_eager_in_place():

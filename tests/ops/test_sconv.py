@@ -152,7 +152,9 @@ _KERNELS = {
 def test_four_streams_never_overwrite_each_other_and_padding_writes_nothing(kernel):
     """All four streams of one step into one poisoned, page-strided cache; every byte is accounted for.
 
-    The step has padding tokens (NaN inputs) and one real token with slot -1 (computed, not stored).
+    The step has padding tokens (NaN inputs) and one real token with slot -1 (computed, not stored). Every
+    output matches the per-token reference over the cache as it was before the stream's call; taps that
+    read poison (NaN, Inf) must give NaN where the reference does.
     """
     run = _KERNELS[kernel]
     device = triton_device() if kernel == "triton" else torch.device("cpu")
@@ -171,10 +173,13 @@ def test_four_streams_never_overwrite_each_other_and_padding_writes_nothing(kern
         x[padding] = float("nan")
         weight = torch.randn(channels, SAMPLE_LAYOUT.kernel_size).to(device=device, dtype=torch.bfloat16)
         want = _expected_storage(x, cache, metadata, offset)
+        cpu_metadata = SconvMetadata(*(m.cpu() for m in metadata))
+        want_y = _per_token_reference(x.cpu(), weight.cpu(), cache.cpu(), block_table.cpu(), cpu_metadata, offset)
         y = run(x, weight, cache, block_table, metadata, offset)
         assert torch.equal(_base(cache), want), stream.name
         assert torch.equal(y[padding], torch.zeros_like(y[padding])), stream.name
         assert not y[4].isnan().any() and not y[~padding].eq(0).all(), stream.name
+        torch.testing.assert_close(y.cpu(), want_y, atol=0, rtol=0, equal_nan=True, msg=stream.name)
 
 
 def test_block_smaller_than_kernel_reads_across_several_blocks():
