@@ -4,8 +4,11 @@ All samples use one small Inkling layout (2 KV heads, head_dim 8, hidden 32, W =
 streams K [0, 8), V [8, 16), attention output [16, 32), MLP output [32, 48)) and cover: T = 1, ragged
 steps mixing prefill, decode and verify tokens, padding, block-boundary crossings, random block tables,
 an enlarged block size (N = 8W), all four streams, residual on/off, SiLU, fp32 weights and a
-page-strided cache. Two more samples use the illustrative production layout (D = 2048, widths 128 and
-512) so that the GPU-build check compiles the kernel configurations a real model launches.
+page-strided cache. Two use widths the Triton kernel must mask: 12 and 20 channels per head (not powers
+of two, so part of each channel block is masked off) and 1100 (wider than the kernel's 1024-channel block,
+so a second, partly masked program per head runs). Two more use the illustrative production layout
+(D = 2048, widths 128 and 512) so that the GPU-build check compiles the kernel configurations a real
+model launches.
 """
 
 from __future__ import annotations
@@ -20,6 +23,10 @@ from stepops.layouts import INKLING_EXAMPLE_LAYOUT, InklingConvStateLayout, Inkl
 from stepops.ops.sconv.metadata import SconvMetadata, build_sconv_metadata
 
 SAMPLE_LAYOUT = InklingConvStateLayout(num_kv_heads=2, head_dim=8, hidden_size=32, kernel_size=4)
+# Widths 12 (K, V) and 20 (attention and MLP output): channel blocks of 16 and 32 with masked lanes.
+ODD_WIDTH_LAYOUT = InklingConvStateLayout(num_kv_heads=2, head_dim=12, hidden_size=40, kernel_size=4)
+# MLP output width 1100 > the Triton kernel's 1024-channel block: two programs per head, the second 76 wide.
+WIDE_LAYOUT = InklingConvStateLayout(num_kv_heads=1, head_dim=8, hidden_size=1100, kernel_size=4)
 
 
 def random_block_table(
@@ -150,6 +157,29 @@ def samples(device: torch.device) -> Iterator[SampleInput]:
     )
     yield _sample(
         "padding_only", device, seed=6, prior_lens=[4], new_lens=[0], num_tokens=3, stream=InklingStream.ATTN_OUT
+    )
+    for stream in (InklingStream.K, InklingStream.ATTN_OUT):
+        yield _sample(
+            f"odd_width_{ODD_WIDTH_LAYOUT.stream_range(stream)[1]}_{stream.name.lower()}",
+            device,
+            seed=10 + stream,
+            prior_lens=[5, 0, 2],
+            new_lens=[2, 3, 1],
+            num_tokens=7,
+            stream=stream,
+            layout=ODD_WIDTH_LAYOUT,
+            num_blocks=8,
+        )
+    yield _sample(
+        "wide_1100_mlp_out",
+        device,
+        seed=14,
+        prior_lens=[5, 0],
+        new_lens=[1, 2],
+        num_tokens=4,
+        stream=InklingStream.MLP_OUT,
+        layout=WIDE_LAYOUT,
+        num_blocks=4,
     )
     for stream in (InklingStream.K, InklingStream.MLP_OUT):
         yield _sample(
