@@ -37,7 +37,13 @@ from torch import nn
 from stepops.allocator import KVCaches, allocate_kv_caches
 from stepops.layouts import InklingStream
 from stepops.models.layers import RMSNorm, SwiGLU, gather_paged_keys, masked_attention, rope_neox
-from stepops.models.metadata import InklingStepMetadata, StepBuffers, build_inkling_metadata
+from stepops.models.metadata import (
+    InklingStepMetadata,
+    StepBuffers,
+    bound_size,
+    build_inkling_metadata,
+    common_size,
+)
 from stepops.models.tensor_parallel import TensorParallel, all_gather_hidden, check_inkling_tp, reduce_scatter_hidden
 from stepops.ops.paged_kv_write import paged_kv_write
 from stepops.owners import InklingConvState, PagedAttentionLayer
@@ -217,11 +223,18 @@ class InklingModel(nn.Module):
 
     @property
     def attn_block_size(self) -> int:
-        return self.layers[0].attn.kv_cache.shape[1]
+        """Tokens per block of the bound KV caches (every layer's; ``ValueError`` if unbound or unequal)."""
+        return common_size(
+            "attention block size", {layer.attn.layer_name: bound_size(layer.attn.kv_cache, 1) for layer in self.layers}
+        )
 
     @property
     def conv_block_size(self) -> int:
-        return self.layers[0].conv_state.kv_cache.shape[2]
+        """Tokens per block ``N`` of the bound conv-state caches (every layer's, as above)."""
+        return common_size(
+            "conv-state block size",
+            {layer.conv_state.prefix: bound_size(layer.conv_state.kv_cache, 2) for layer in self.layers},
+        )
 
     def build_metadata(self, buffers: StepBuffers, num_tokens: int) -> InklingStepMetadata:
         return build_inkling_metadata(

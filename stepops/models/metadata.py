@@ -56,6 +56,26 @@ def paged_slot_mapping(token: TokenMetadata, block_table: torch.Tensor, block_si
     return torch.where(has_slot, slot, -1).to(torch.int32)
 
 
+def bound_size(cache: torch.Tensor, dim: int) -> int:
+    """``cache.shape[dim]`` of a bound 4-D cache; ``0`` for an owner's empty placeholder (nothing bound)."""
+    return cache.shape[dim] if cache.dim() == 4 else 0
+
+
+def common_size(what: str, sizes: dict[str, int]) -> int:
+    """The one ``what`` every layer in ``sizes`` (layer name -> size, ``0`` = no cache bound) shares.
+
+    A step's metadata is built once for all layers from one set of block tables, so the layers must agree;
+    ``ValueError`` naming the layers when one has no cache bound or when they differ.
+    """
+    unbound = [name for name, size in sizes.items() if size == 0]
+    if unbound:
+        raise ValueError(f"{what}: no cache bound for {', '.join(unbound)} (allocate the model's caches first)")
+    if len(set(sizes.values())) > 1:
+        found = ", ".join(f"{name}: {size}" for name, size in sizes.items())
+        raise ValueError(f"{what} must be the same for every layer (one block table serves them all), got {found}")
+    return next(iter(sizes.values()))
+
+
 class Step5StepMetadata(NamedTuple):
     """Everything a Step5 decoder layer reads per step; every tensor's first dim is ``T``.
 

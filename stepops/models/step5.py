@@ -32,7 +32,7 @@ from stepops._meta.csa_ring_update import REGION_SIZE
 from stepops.allocator import KVCaches, allocate_kv_caches
 from stepops.layouts import smallest_block_size
 from stepops.models.layers import RMSNorm, SwiGLU, gather_paged_keys, masked_attention, rope_neox
-from stepops.models.metadata import StepBuffers, Step5StepMetadata, build_step5_metadata
+from stepops.models.metadata import StepBuffers, Step5StepMetadata, bound_size, build_step5_metadata, common_size
 from stepops.ops.paged_kv_write import paged_kv_write
 from stepops.owners import PagedAttentionLayer, Step5CSATailRing
 
@@ -206,7 +206,6 @@ class Step5Model(nn.Module):
             for i in range(len(config.layer_types))
         )
         self.summary_block_size = 16  # regions per summary-cache block
-        self.rows_per_block = 0
 
     def allocate_caches(self, num_blocks: int, num_summary_blocks: int, device: torch.device | str) -> KVCaches:
         """Allocate and bind every layer's own KV cache and ring (``num_blocks`` blocks, through the
@@ -218,7 +217,6 @@ class Step5Model(nn.Module):
                     torch.zeros(num_summary_blocks * self.summary_block_size, self.config.index_proxy_dim,
                                 dtype=torch.bfloat16, device=device)
                 )
-                self.rows_per_block = layer.csa_ring.rows_per_block
         return caches
 
     def cache_tensors(self) -> list[torch.Tensor]:
@@ -232,14 +230,26 @@ class Step5Model(nn.Module):
 
     @property
     def attn_block_size(self) -> int:
-        return self.layers[0].attn.kv_cache.shape[1]
+        """Tokens per block of the bound KV caches (every layer's; ``ValueError`` if unbound or unequal)."""
+        return common_size(
+            "attention block size", {layer.attn.layer_name: bound_size(layer.attn.kv_cache, 1) for layer in self.layers}
+        )
+
+    @property
+    def rows_per_block(self) -> int:
+        """Rows between consecutive blocks of the bound CSA rings (every CSA layer's; ``ValueError`` if a
+        ring is unbound or they differ: one ``ring_blocks`` table addresses them all)."""
+        rings = {layer.csa_ring.layer_name: layer.csa_ring.rows_per_block for layer in self.layers if layer.kind == CSA}
+        if not rings:
+            return 1  # no CSA layer: the ring metadata is built with the others but never read
+        return common_size("CSA ring rows_per_block", rings)
 
     def build_metadata(self, buffers: StepBuffers, num_tokens: int) -> Step5StepMetadata:
         return build_step5_metadata(
             buffers,
             num_tokens,
             attn_block_size=self.attn_block_size,
-            rows_per_block=max(self.rows_per_block, 1),
+            rows_per_block=self.rows_per_block,
             summary_block_size=self.summary_block_size,
         )
 

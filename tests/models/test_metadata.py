@@ -1,7 +1,10 @@
-"""Per-step metadata of the decoder layers: slots that would belong to another position are -1."""
+"""Per-step metadata of the decoder layers: slots that would belong to another position are -1; the
+models' block sizes come from every layer's bound caches, which must agree."""
 
+import pytest
 import torch
 
+from stepops.models import InklingConfig, InklingModel, Step5Config, Step5Model
 from stepops.models.metadata import paged_slot_mapping
 from stepops.ops.step_metadata import build_token_metadata
 
@@ -28,3 +31,35 @@ def test_positions_past_the_table_get_no_slot():
 def test_an_unallocated_block_gets_no_slot():
     # Position 4 falls in the second column, whose entry is -1: -1 * 4 + 0 would be a negative slot.
     assert _slots([0, 2], [5], [[3, -1]], 4, 2) == [3 * 4 + 3, -1]
+
+
+def test_a_model_without_caches_cannot_build_metadata():
+    model = Step5Model(Step5Config())
+    with pytest.raises(ValueError, match=r"^CSA ring rows_per_block: no cache bound for layers.1.csa_ring "):
+        model.rows_per_block
+    with pytest.raises(ValueError, match=r"^attention block size: no cache bound for layers.0.attn, layers.1.attn "):
+        model.attn_block_size
+    inkling = InklingModel(InklingConfig())
+    with pytest.raises(ValueError, match=r"^conv-state block size: no cache bound for layers.0.conv_state, "):
+        inkling.conv_block_size
+
+
+def test_layers_must_share_block_sizes():
+    """One set of block tables addresses every layer: a layer bound with another geometry is an error."""
+    model = Step5Model(Step5Config(layer_types=("csa", "csa")))
+    model.allocate_caches(3, 1, "cpu")
+    capacity, block_size = model.rows_per_block, model.attn_block_size
+    second = model.layers[1]
+    # The same pages, strided two rows wider: a valid ring on its own, but not the stride of layer 0's ring.
+    buffer = torch.zeros(3 * (capacity + 2) * 512, dtype=torch.bfloat16)
+    second.csa_ring.bind_kv_cache(buffer.as_strided((3, capacity, 1, 512), ((capacity + 2) * 512, 512, 512, 1)))
+    with pytest.raises(ValueError) as info:
+        model.rows_per_block
+    assert str(info.value) == (
+        "CSA ring rows_per_block must be the same for every layer (one block table serves them all), got "
+        f"layers.0.csa_ring: {capacity}, layers.1.csa_ring: {capacity + 2}"
+    )
+    kv = second.attn.kv_cache
+    second.attn.bind_kv_cache(torch.zeros(kv.shape[0], 2 * block_size, *kv.shape[2:], dtype=kv.dtype))
+    with pytest.raises(ValueError, match=rf"got layers.0.attn: {block_size}, layers.1.attn: {2 * block_size}$"):
+        model.attn_block_size
