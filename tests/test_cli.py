@@ -56,9 +56,10 @@ def test_step5_page_too_small_exits_with_the_seed_message(tmp_path):
     result = _run("layout", "step5", "--block-size", "16", "--num-speculative-tokens", "12", cwd=tmp_path)
     assert result.returncode == 1
     assert result.stdout == ""
-    assert result.stderr == (
-        "Step5 CSA tail ring needs 19 rows of 1024 bytes in one 18432-byte KV page; increase --block-size.\n"
-    )
+    first, second = result.stderr.splitlines()
+    assert first == "Step5 CSA tail ring needs 19 rows of 1024 bytes in one 18432-byte KV page; increase --block-size."
+    # 1152 B per token: 16 tokens hold 18 rows, 32 tokens 36 (>= 19, whole rows).
+    assert second == "smallest block size that fits at 1152 B per token: 32 (page 36864 B, capacity 36 rows)"
 
 
 def test_inkling_tp_above_heads_exits_with_the_message(tmp_path):
@@ -104,9 +105,19 @@ def test_step5_partial_rows_exit_with_the_seed_message(capsys):
     assert main(["layout", "step5", "--page-bytes", "10752", "--block-size", "16"]) == 1
     captured = capsys.readouterr()
     assert captured.out == ""
-    assert captured.err == (
-        "Step5 CSA tail ring needs 10 rows of 1024 bytes in one 10752-byte KV page; increase --block-size.\n"
-    )
+    first, second = captured.err.splitlines()
+    assert first == "Step5 CSA tail ring needs 10 rows of 1024 bytes in one 10752-byte KV page; increase --block-size."
+    # 10752 / 16 = 672 B per token = 21 * 32: whole 1024-byte rows only at multiples of 32 tokens (21 rows).
+    assert second == "smallest block size that fits at 672 B per token: 32 (page 21504 B, capacity 21 rows)"
+
+
+def test_step5_no_block_size_fits(capsys):
+    # 10000 / 16 = 625 B per token, an odd number of bytes: no block size splits the page into whole bf16
+    # elements per token (the ring spec's head_size), so no candidate fits.
+    assert main(["layout", "step5", "--page-bytes", "10000", "--block-size", "16"]) == 1
+    first, second = capsys.readouterr().err.splitlines()
+    assert first == "Step5 CSA tail ring needs 10 rows of 1024 bytes in one 10000-byte KV page; increase --block-size."
+    assert second == "smallest block size that fits at 625 B per token: none among multiples of 16 up to 4096"
 
 
 def test_inkling_tensor_parallel_and_enlarged_block(capsys):

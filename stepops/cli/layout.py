@@ -2,7 +2,9 @@
 
 Without a model, prints both layouts with their defaults. The defaults are illustrative model numbers
 (an MLA-style Step5 main layer, a Llama-8B-shaped Inkling layer), not published configurations: pass
-your model's numbers. When the layout does not fit, prints the layout's error text to stderr and exits 1.
+your model's numbers. When the layout does not fit, prints the layout's error text to stderr (the seed's,
+exactly, as the first line), then, for the CSA ring with a known per-token size, the smallest block size
+that fits, and exits 1.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import torch
 from stepops.layouts import (
     BLOCK_SIZE_CANDIDATES,
     INKLING_EXAMPLE_LAYOUT,
+    ROW_BYTES,
     CSATailRingLayout,
     InklingConvStateLayout,
     InklingStream,
@@ -114,20 +117,23 @@ def _run_step5(args: argparse.Namespace) -> int:
             page_bytes = args.page_bytes
             per_token = None
             main = "page size given"
-        layout = CSATailRingLayout(page_bytes=page_bytes, block_size=args.block_size, num_speculative_tokens=k)
-        if per_token is None and page_bytes % args.block_size == 0:
-            per_token = page_bytes // args.block_size
     except (ValueError, TypeError) as error:
         print(error, file=sys.stderr)
+        return 1
+    if per_token is None and args.block_size > 0 and page_bytes % args.block_size == 0:
+        per_token = page_bytes // args.block_size
+    try:
+        layout = CSATailRingLayout(page_bytes=page_bytes, block_size=args.block_size, num_speculative_tokens=k)
+    except (ValueError, TypeError) as error:
+        print(error, file=sys.stderr)  # the layout's (the seed's) text, exactly, as the first line
+        if isinstance(error, ValueError) and per_token is not None:
+            print(f"smallest block size that fits at {per_token} B per token: {_smallest_block_size(per_token, k)}",
+                  file=sys.stderr)
         return 1
 
     smallest = "n/a (per-token size unknown)"
     if per_token is not None:
-        try:
-            block = smallest_block_size(bytes_per_token=per_token, num_speculative_tokens=k)
-            smallest = f"{block} (page {block * per_token} B, capacity {block * per_token // layout.row_bytes} rows)"
-        except ValueError:
-            smallest = f"none among multiples of 16 up to {BLOCK_SIZE_CANDIDATES[-1]}"
+        smallest = _smallest_block_size(per_token, k)
     _print_table(
         "Step5 CSA tail ring",
         [
@@ -143,6 +149,15 @@ def _run_step5(args: argparse.Namespace) -> int:
         ],
     )
     return 0
+
+
+def _smallest_block_size(per_token: int, k: int) -> str:
+    """``"B (page P B, capacity C rows)"`` for the smallest candidate block size whose page holds the ring."""
+    try:
+        block = smallest_block_size(bytes_per_token=per_token, num_speculative_tokens=k)
+    except ValueError:
+        return f"none among multiples of 16 up to {BLOCK_SIZE_CANDIDATES[-1]}"
+    return f"{block} (page {block * per_token} B, capacity {block * per_token // ROW_BYTES} rows)"
 
 
 def _run_inkling(args: argparse.Namespace) -> int:
