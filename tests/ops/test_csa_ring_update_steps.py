@@ -141,6 +141,8 @@ SPECULATIVE_CASES = [
     ("torch", 3, torch.float8_e4m3fn, 24),
     ("triton", 3, torch.bfloat16, 6),
     ("triton_reversed", 7, torch.float8_e4m3fn, 4),
+    ("triton", 1, torch.bfloat16, 6),
+    ("triton_reversed", 2, torch.float8_e4m3fn, 5),
 ]
 
 

@@ -145,8 +145,9 @@ def _run_schedule(schedule, x_seq, weight, kernel, flags, seed):
         ("torch", {}),
         ("torch", {"residual": False, "silu": True}),
         ("triton", {}),
+        ("triton", {"residual": False, "silu": True}),
     ],
-    ids=["torch", "torch-silu-no-residual", "triton"],
+    ids=["torch", "torch-silu-no-residual", "triton", "triton-silu-no-residual"],
 )
 def test_chunk_and_batch_invariance(kernel, flags):
     """One prefill, random chunks, token by token, batched with others: the same bits everywhere."""
@@ -230,8 +231,13 @@ def _speculative_run(*, k, block_size, kernel, num_steps, seed, flags):
         ("torch", 3, 2, 20, {"residual": False}),
         ("torch", 1, 4, 16, {"silu": True}),
         ("triton", 3, 4, 6, {}),
+        ("triton", 1, 2, 6, {"silu": True}),
+        ("triton", 2, 32, 6, {"residual": False}),
     ],
-    ids=["torch-k1", "torch-k3", "torch-k3-N32", "torch-k3-N2-no-residual", "torch-k1-silu", "triton-k3"],
+    ids=[
+        "torch-k1", "torch-k3", "torch-k3-N32", "torch-k3-N2-no-residual", "torch-k1-silu", "triton-k3",
+        "triton-k1-N2-silu", "triton-k2-N32-no-residual",
+    ],  # fmt: skip
 )
 def test_speculative_decoding_matches_dense_conv1d(kernel, k, block_size, num_steps, flags):
     engine, weight, xs, ys = _speculative_run(
