@@ -218,8 +218,13 @@ class InklingModel(nn.Module):
         return allocate_kv_caches(self.static_forward_context, num_blocks, device=device)
 
     def cache_tensors(self) -> list[torch.Tensor]:
-        """Every cache a step writes."""
+        """Every cache a step writes, one tensor per cache (to compare two models' caches)."""
         return [t for layer in self.layers for t in (layer.attn.kv_cache, layer.conv_state.kv_cache)]
+
+    def mutated_tensors(self) -> list[torch.Tensor]:
+        """Every tensor object a step writes through (the ops receive the caches themselves or views made
+        inside the step): here the same as :meth:`cache_tensors`. Mark these static before reduce-overhead."""
+        return self.cache_tensors()
 
     @property
     def attn_block_size(self) -> int:

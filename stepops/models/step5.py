@@ -220,12 +220,24 @@ class Step5Model(nn.Module):
         return caches
 
     def cache_tensors(self) -> list[torch.Tensor]:
-        """Every cache a step writes (to mark them static for CUDA graphs, or to compare them)."""
+        """Every cache a step writes, one tensor per cache (to compare two models' caches)."""
         out = []
         for layer in self.layers:
             out.append(layer.attn.kv_cache)
             if layer.kind == CSA:
                 out += [layer.csa_ring.kv_cache, layer.summary_cache]
+        return out
+
+    def mutated_tensors(self) -> list[torch.Tensor]:
+        """Every tensor object a step writes through, as a compiled graph sees its inputs: each layer's KV
+        cache and, for a CSA layer, its ring's 2-D ``rows`` view (what ``csa_ring_update`` receives: another
+        tensor object than the ring's ``kv_cache``, over the same storage) and its summary cache. Mark these
+        static (``torch._dynamo.mark_static_address``) before ``mode="reduce-overhead"``."""
+        out = []
+        for layer in self.layers:
+            out.append(layer.attn.kv_cache)
+            if layer.kind == CSA:
+                out += [layer.csa_ring.rows, layer.summary_cache]
         return out
 
     @property

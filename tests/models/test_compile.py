@@ -161,6 +161,31 @@ InklingModel: stepops.sconv.default, stepops.sconv.default, stepops.paged_kv_wri
             assert found == [None], f"{model_cls.__name__}: {found}"
 
 
+@pytest.mark.parametrize("model_cls, config", _MODELS)
+def test_mutated_tensors_are_the_inputs_the_graph_writes(model_cls, config):
+    """``mutated_tensors()`` (what to mark static for reduce-overhead) is exactly the set of graph inputs that
+    AOTAutograd sees written: Step5's includes each CSA ring's ``rows`` view, a tensor object of its own."""
+    model, runner = _make(model_cls, config)
+    written = []
+
+    def record(gm, example_inputs):
+        def forward_compiler(fw_gm, fw_inputs):
+            from torch._guards import TracingContext
+
+            info = TracingContext.get().fw_metadata.input_info
+            written.extend(example_inputs[i] for i, arg in enumerate(info) if arg.mutates_data)
+            return fw_gm
+
+        return aot_autograd(fw_compiler=forward_compiler)(gm, example_inputs)
+
+    size = _schedule(runner, [6, 3], [0, 2], seed=0)
+    with torch.inference_mode():
+        torch.compile(model, backend=record, fullgraph=True)(runner.hidden[:size], runner.buffers)
+    mutated = model.mutated_tensors()
+    assert all(any(w is t for t in mutated) for w in written), "a written graph input is not in mutated_tensors()"
+    assert all(any(w is t for w in written) for t in mutated), "mutated_tensors() has a tensor the graph never writes"
+
+
 def _cache_shapes(model) -> set[str]:
     return {"(" + ", ".join(map(str, t.shape)) + ")" for t in model.cache_tensors()}
 
