@@ -1,6 +1,7 @@
 """Whole layer steps under ``torch.compile(fullgraph=True)``: no graph break, one graph for every T >= 2,
-compiled == eager (outputs and caches), the stepops op calls of the graph, no whole-cache clone in
-Inductor's code, no CUDA-graph-incompatible node, and a Dynamo trace of the CUDA path with fake tensors.
+compiled == eager (outputs and caches), the stepops op calls of the graph, ``mutated_tensors()`` == the
+inputs the graph writes, the ops writing the cache inputs themselves in Inductor's code (no whole-cache
+clone, no copy back), no CUDA-graph-incompatible node, and a Dynamo trace of the CUDA path with fake tensors.
 
 A "layer step" is ``model(hidden, buffers)`` of a one- or two-layer model: the per-token metadata are
 derived from the fixed-size step buffers inside the graph, then the layers run. Compiles are few and small
@@ -186,8 +187,54 @@ def test_mutated_tensors_are_the_inputs_the_graph_writes(model_cls, config):
     assert all(any(w is t for w in written) for t in mutated), "mutated_tensors() has a tensor the graph never writes"
 
 
-def _cache_shapes(model) -> set[str]:
-    return {"(" + ", ".join(map(str, t.shape)) + ")" for t in model.cache_tensors()}
+def _split_arguments(text: str) -> list[str]:
+    """Top-level comma-separated arguments of a call's argument text (nested parentheses kept whole)."""
+    out, depth, start = [], 0, 0
+    for i, char in enumerate(text):
+        if char in "([":
+            depth += 1
+        elif char in ")]":
+            depth -= 1
+        elif char == "," and depth == 0:
+            out.append(text[start:i].strip())
+            start = i + 1
+    return out + [text[start:].strip()]
+
+
+def _written_graph_inputs(code: str) -> list[str]:
+    """The names of what Inductor's code passes to each stepops op at the arguments the op writes (from the
+    schema's ``Tensor(a!)`` markings), unwrapping ``reinterpret_tensor(x, ...)`` to ``x``."""
+    written = []
+    for name, overload, arguments in re.findall(r"torch\.ops\.stepops\.(\w+)\.(\w+)\((.*)\)\s*$", code, re.M):
+        schema = getattr(getattr(torch.ops.stepops, name), overload)._schema
+        args = _split_arguments(arguments)
+        for position, argument in enumerate(schema.arguments):
+            if argument.alias_info is not None and argument.alias_info.is_write:
+                written.append(re.sub(r"^reinterpret_tensor\((\w+),.*\)$", r"\1", args[position]))
+    return written
+
+
+def _copies_into(code: str, name: str) -> bool:
+    """Whether the code copies into graph input ``name``: ``name.copy_(...)``, ``aten.copy_(name, ...)``, or a
+    fused kernel built from ``copy_`` (Inductor names kernels after their ops: ``cpp_fused_copy__mul_13``,
+    not the ``_to_copy`` dtype casts) that takes ``name``."""
+    for line in code.splitlines():
+        if re.search(rf"\b{name}\.copy_\(", line):
+            return True
+        call = re.search(r"(?:aten\.copy_\w*|\w*(?<!_to)_copy__\w*)\((.*)\)", line)
+        if call and re.search(rf"\b{name}\b", call.group(1)):
+            return True
+    return False
+
+
+def _whole_cache_sizes(model) -> set[tuple[int, ...]]:
+    """Sizes a buffer would have if the code copied a cache: every written tensor's shape (caches, the ring's
+    2-D ``rows`` view) and its whole storage (the allocator's uint8 buffer, in bytes and in elements)."""
+    sizes = set()
+    for t in model.cache_tensors() + model.mutated_tensors():
+        nbytes = t.untyped_storage().nbytes()
+        sizes |= {tuple(t.shape), (nbytes,), (nbytes // t.element_size(),)}
+    return sizes
 
 
 @pytest.mark.parametrize(
@@ -206,16 +253,22 @@ def test_inductor_runs_in_place_and_equals_eager(model_cls, config):
     _schedule(eager_runner, [9, 4], [0, 3], seed=0)
     hidden = runner.hidden[:size]
     torch._dynamo.mark_dynamic(hidden, 0, min=2, max=MAX_TOKENS)
-    caches_before = [t.data_ptr() for t in model.cache_tensors()]
     with torch.inference_mode():
         want = eager_model(eager_runner.hidden[:size], eager_runner.buffers)
         got, codes = run_and_get_code(torch.compile(model, fullgraph=True), hidden, runner.buffers)
     code = "\n".join(codes)
-    # A whole-cache clone would allocate a buffer of a cache's shape (and copy it back afterwards).
-    for shape in _cache_shapes(model):
-        assert not re.search(r"empty_strided\w*\(" + re.escape(shape), code), f"cache-sized buffer {shape} in code"
-    assert [t.data_ptr() for t in model.cache_tensors()] == caches_before
-    assert "stepops" in code  # the ops are called from the generated code, on the caches themselves
+    # The ops write the graph's inputs themselves (argN_1, maybe reinterpreted), never an Inductor buffer:
+    # one input per tensor of mutated_tensors() (the KV caches share an input for K and V).
+    written = _written_graph_inputs(code)
+    assert written and all(re.fullmatch(r"arg\d+_1", name) for name in written), f"ops write {written}"
+    assert len(set(written)) == len(model.mutated_tensors()), written
+    # A whole-cache clone allocates a buffer of a cache's (or the ring rows', or the base buffer's) size and
+    # copies it back into the input afterwards.
+    for shape in _whole_cache_sizes(model):
+        pattern = r"empty_strided\w*\(\(" + r",\s*".join(map(str, shape)) + r",?\s*\)"
+        assert not re.search(pattern, code), f"cache-sized buffer {shape} in the generated code"
+    for name in set(written):
+        assert not _copies_into(code, name), f"a copy into the cache input {name}"
     # Inductor fuses norms, rope and softmax into kernels that sum in other orders, so a bf16-rounded stage
     # may land one ulp apart (about 20-30% of elements here): the documented tolerance, not bitwise.
     tol = TOLERANCES["model_vs_recompute"]
