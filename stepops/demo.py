@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch._dynamo.utils import counters
 
 from stepops.models import InklingConfig, InklingModel, Step5Config, Step5Model
-from stepops.models.reference import model_reference
+from stepops.models.reference import compare_with_recompute
 from stepops.models.runner import COMPILED, CUDA_GRAPH, EAGER, StepRunner, Workload, run_workload
 from stepops.models.tensor_parallel import shard_inkling_state_dict, spawn_ranks
 from stepops.testing.tolerances import TOLERANCES
@@ -70,16 +70,6 @@ class _Ticker:
         self._thread.join()
 
 
-def _max_error(model: torch.nn.Module, result, bound: str) -> tuple[float, bool]:
-    """Largest ``|incremental - recompute|`` over committed outputs, and whether all are inside ``bound``."""
-    tol = TOLERANCES[bound]
-    worst, inside = 0.0, True
-    for x, y in zip(result.inputs, result.outputs):
-        want = model_reference(model, x.to(next(model.parameters()).device)).cpu().float()
-        err = (y.float() - want).abs()
-        worst = max(worst, float(err.max()))
-        inside &= bool((err <= tol.atol + tol.rtol * want.abs()).all())
-    return worst, inside
 
 
 def _run_mode(
@@ -117,7 +107,11 @@ def _run_mode(
             runner.warm_up(lambda msg: _say(f"    {msg}  ({time.perf_counter() - warm_start:.0f} s)"))
     warm_seconds = time.perf_counter() - warm_start
     result = run_workload(runner, workload, model.config.hidden_size)
-    err, inside = _max_error(reference, result, _TP_BOUND if shard else _BOUND)
+    # Tokens whose region choice is a near tie in the recompute may go either way: left out, and counted.
+    comparison = compare_with_recompute(
+        reference, result.inputs, result.outputs, tolerance=TOLERANCES[_TP_BOUND if shard else _BOUND]
+    )
+    err, inside = comparison.max_abs_err, comparison.within_bound and comparison.few_near_ties
     row = {
         "mode": mode,
         "steps": result.steps,
@@ -127,12 +121,18 @@ def _run_mode(
         "seconds": round(result.seconds, 3),
         "warm_up_seconds": round(warm_seconds, 3),
         "max_abs_err_vs_recompute": err,
+        "max_row_relative_err_vs_recompute": comparison.max_row_relative_err,
         "within_bound": inside,
+        "near_tie_rows": comparison.near_tie_rows,
+        "compared_rows": comparison.rows - comparison.near_tie_rows,
     }
     if mode == COMPILED:
         row["graph_breaks"] = sum(counters["graph_break"].values())
         row["recompiles"] = max(counters["stats"]["unique_graphs"] - 1, 0)
-    _say(f"  {name} {mode}: {result.steps} steps, {result.tokens} tokens, {result.seconds:.2f} s, max err {err:g}")
+    _say(
+        f"  {name} {mode}: {result.steps} steps, {result.tokens} tokens, {result.seconds:.2f} s, max err {err:g}"
+        f" ({comparison.near_tie_rows} of {comparison.rows} rows left out as near-tie region choices)"
+    )
     return row
 
 
@@ -172,7 +172,8 @@ def _run_tensor_parallel(make, tp: int, dev: torch.device, backend: str) -> dict
                 ranks.append(json.load(f))
     rows = ranks[0]
     for mode, row in rows.items():
-        row["max_abs_err_vs_recompute"] = max(rank[mode]["max_abs_err_vs_recompute"] for rank in ranks)
+        for key in ("max_abs_err_vs_recompute", "max_row_relative_err_vs_recompute", "near_tie_rows"):
+            row[key] = max(rank[mode][key] for rank in ranks)
         row["within_bound"] = all(rank[mode]["within_bound"] for rank in ranks)
         for key in ("graph_breaks", "recompiles"):
             if key in row:
@@ -209,6 +210,8 @@ def run_demo(*, json_path: str | None = None, device: str = "auto", backend: str
             "graph_breaks": compiled["graph_breaks"],
             "recompiles": compiled["recompiles"],
             "max_abs_err_vs_recompute": max(r["max_abs_err_vs_recompute"] for r in rows.values()),
+            "max_row_relative_err_vs_recompute": max(r["max_row_relative_err_vs_recompute"] for r in rows.values()),
+            "near_tie_rows": max(r["near_tie_rows"] for r in rows.values()),
             "steps": rows[EAGER]["steps"],
             "tokens": rows[EAGER]["tokens"],
             "eager_seconds": rows[EAGER]["seconds"],
@@ -256,8 +259,10 @@ def _print_table(report: dict[str, dict]) -> None:
         users = ", ".join(name + (f" (tp={r['tp']})" if r["tp"] > 1 else "") for name, r in report.items()
                           if r["bound"] == bound)
         _say(f"bound ({users}): |err| <= {tol.atol} + {tol.rtol} * |recompute| per element "
-             f"(stepops.testing.TOLERANCES[{bound!r}])" + ("; CPU eager is bitwise (0)." if bound == _BOUND else
-             "; the ranks' bf16 partial sums round once more than one matmul, so not bitwise."))
+             f"(stepops.testing.TOLERANCES[{bound!r}]), tokens with a near-tie region choice left out"
+             + ("; not bitwise even on CPU: the layers and the recompute sum attention in other orders, so an "
+                "output may land a bf16 ulp or two of its token's scale apart." if bound == _BOUND else
+                "; the ranks' bf16 partial sums round once more than one matmul, so not bitwise."))
 
 
 if __name__ == "__main__":  # pragma: no cover

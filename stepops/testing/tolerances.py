@@ -63,8 +63,24 @@ TOLERANCES: dict[str, Tolerance] = {
         "or compiled by Inductor vs eager: cuBLAS/SDPA/Triton or fused kernels sum in other orders, so each "
         "bf16-rounded stage (projections, norms, attention, convs, residual adds) may land one bf16 ulp "
         "apart (2**-8 relative) and a 2-layer stack compounds a few of them: 4 ulps = 2**-6 relative, and "
-        "near 0 one ulp of the residual stream's typical magnitude (|x| < 16: 2**-3). On CPU eager the "
-        "comparison is bitwise. A region-selection flip would exceed it: that is a real divergence",
+        "near 0 one ulp of the residual stream's typical magnitude (|x| < 16: 2**-3). A region-selection "
+        "flip exceeds it (errors 0.18-0.78 seen on a GPU), so tokens whose k-th and (k+1)-th region scores "
+        "are a near tie (stepops.models.reference.NEAR_TIE_MARGIN) are left out of the comparison, and their "
+        "count is bounded; see model_vs_recompute_cpu for CPU eager",
+    ),
+    "model_vs_recompute_cpu": Tolerance(
+        atol=0.0,
+        rtol=2**-7,
+        why="a decoder stack's committed outputs, incremental with caches vs the full recompute, both eager on "
+        "CPU: not bitwise, because the layers' attention (einsum over gathered keys) and the recompute's "
+        "scaled_dot_product_attention sum in other orders, so a bf16-rounded attention output can land one "
+        "ulp apart (seen: model seed 5). That flip propagates through the rest of its layer and each later "
+        "layer at the scale of the residual stream, not of each output element (near-0 outputs were 32 ulps "
+        "of their own value off), so the bound is per token: |err| <= num_layers * rtol * 2**floor(log2 "
+        "max_j |recompute[t, j]|), one bf16 ulp (2**-7 of the binade) of the token's largest value per layer. "
+        "Seen over 30 model seeds x 4 configs: at most 2 such ulps in 2-layer stacks, 1 in 1-layer ones; "
+        "at most 6% of a workload's elements differ (tests allow 1/8). A wrong mask or stale cache is "
+        "off by 0.1 or more",
     ),
     "tensor_parallel_vs_single_rank": Tolerance(
         atol=2**-3,
