@@ -141,8 +141,8 @@ class TestGraphContents(TestCase):
         self.assertExpectedInline(
             "\n".join(lines),
             """\
-Step5Model: stepops.paged_kv_write.default, stepops.paged_kv_write.default, stepops.csa_ring_update
-InklingModel: stepops.sconv.default, stepops.sconv.default, stepops.paged_kv_write.default, stepops.sconv.default, stepops.sconv.default, stepops.sconv.default, stepops.sconv.default, stepops.paged_kv_write.default, stepops.sconv.default, stepops.sconv.default""",
+Step5Model: stepops.paged_kv_write, stepops.paged_kv_write, stepops.csa_ring_update
+InklingModel: stepops.sconv, stepops.sconv, stepops.paged_kv_write, stepops.sconv, stepops.sconv, stepops.sconv, stepops.sconv, stepops.paged_kv_write, stepops.sconv, stepops.sconv""",
         )
 
     def test_no_cudagraph_incompatible_node(self):
