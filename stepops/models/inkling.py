@@ -42,6 +42,7 @@ from stepops.models.metadata import (
     StepBuffers,
     bound_size,
     build_inkling_metadata,
+    common_attn_block_size,
     common_size,
 )
 from stepops.models.tensor_parallel import TensorParallel, all_gather_hidden, check_inkling_tp, reduce_scatter_hidden
@@ -229,9 +230,7 @@ class InklingModel(nn.Module):
     @property
     def attn_block_size(self) -> int:
         """Tokens per block of the bound KV caches (every layer's; ``ValueError`` if unbound or unequal)."""
-        return common_size(
-            "attention block size", {layer.attn.layer_name: bound_size(layer.attn.kv_cache, 1) for layer in self.layers}
-        )
+        return common_attn_block_size(self.layers)
 
     @property
     def conv_block_size(self) -> int:

@@ -76,6 +76,13 @@ def common_size(what: str, sizes: dict[str, int]) -> int:
     return next(iter(sizes.values()))
 
 
+
+def common_attn_block_size(layers) -> int:
+    """Tokens per block of every layer's bound paged KV cache (``layer.attn``); see :func:`common_size`."""
+    return common_size(
+        "attention block size", {layer.attn.layer_name: bound_size(layer.attn.kv_cache, 1) for layer in layers}
+    )
+
 class Step5StepMetadata(NamedTuple):
     """Everything a Step5 decoder layer reads per step; every tensor's first dim is ``T``.
 

@@ -32,7 +32,13 @@ from stepops._meta.csa_ring_update import REGION_SIZE
 from stepops.allocator import KVCaches, allocate_kv_caches
 from stepops.layouts import smallest_block_size
 from stepops.models.layers import RMSNorm, SwiGLU, gather_paged_keys, masked_attention, rope_neox
-from stepops.models.metadata import StepBuffers, Step5StepMetadata, bound_size, build_step5_metadata, common_size
+from stepops.models.metadata import (
+    StepBuffers,
+    Step5StepMetadata,
+    build_step5_metadata,
+    common_attn_block_size,
+    common_size,
+)
 from stepops.ops.paged_kv_write import paged_kv_write
 from stepops.owners import PagedAttentionLayer, Step5CSATailRing
 
@@ -221,31 +227,28 @@ class Step5Model(nn.Module):
 
     def cache_tensors(self) -> list[torch.Tensor]:
         """Every cache a step writes, one tensor per cache (to compare two models' caches)."""
-        out = []
-        for layer in self.layers:
-            out.append(layer.attn.kv_cache)
-            if layer.kind == CSA:
-                out += [layer.csa_ring.kv_cache, layer.summary_cache]
-        return out
+        return self._written_tensors(lambda ring: ring.kv_cache)
 
     def mutated_tensors(self) -> list[torch.Tensor]:
         """Every tensor object a step writes through, as a compiled graph sees its inputs: each layer's KV
         cache and, for a CSA layer, its ring's 2-D ``rows`` view (what ``csa_ring_update`` receives: another
         tensor object than the ring's ``kv_cache``, over the same storage) and its summary cache. Mark these
         static (``torch._dynamo.mark_static_address``) before ``mode="reduce-overhead"``."""
+        return self._written_tensors(lambda ring: ring.rows)
+
+    def _written_tensors(self, ring_tensor) -> list[torch.Tensor]:
+        """Each layer's KV cache and, for a CSA layer, ``ring_tensor(layer.csa_ring)`` and its summary cache."""
         out = []
         for layer in self.layers:
             out.append(layer.attn.kv_cache)
             if layer.kind == CSA:
-                out += [layer.csa_ring.rows, layer.summary_cache]
+                out += [ring_tensor(layer.csa_ring), layer.summary_cache]
         return out
 
     @property
     def attn_block_size(self) -> int:
         """Tokens per block of the bound KV caches (every layer's; ``ValueError`` if unbound or unequal)."""
-        return common_size(
-            "attention block size", {layer.attn.layer_name: bound_size(layer.attn.kv_cache, 1) for layer in self.layers}
-        )
+        return common_attn_block_size(self.layers)
 
     @property
     def rows_per_block(self) -> int:
