@@ -1,0 +1,292 @@
+"""stepops.models.paged_attention against two oracles: the layers' dense path (``gather_paged_keys`` +
+``masked_attention``) and an independent fp64 per-request recompute, on random paged caches with ragged
+requests, prefill chunks, decode, verify, padding, sliding windows, bias tables, GQA and unallocated
+(-1) block-table entries; eager and compiled (``fullgraph=True``); fp32 and bf16.
+
+Tolerances (measured on these scenarios over seeds 0-19 and both windows; the softmax's
+summation order is the only difference):
+- fp32 output vs the dense path (fp32 inside too): the online softmax adds chunk sums in another order and
+  divides once at the end instead of normalising the weights first: max |diff| 3.6e-7 (outputs |o| < 3),
+  so atol = rtol = 1e-5 (~30x margin); a masking error moves outputs by O(0.1).
+- bf16 output: both round an fp32 value once; measured bitwise (0 of 44160 elements differ), but fp32
+  values 1e-7 apart can straddle a bf16 rounding boundary, one bf16 ulp apart: rtol 2**-7, atol 2**-10.
+- vs the fp64 recompute (bias, windows): max |diff| 4.0e-7; atol = rtol = 1e-5.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from stepops.models.layers import gather_paged_keys, masked_attention
+from stepops.models.paged_attention import (
+    csa_region_scorer,
+    paged_attention,
+    region_summary_slots,
+    sparse_region_attention,
+    streaming_topk,
+)
+from stepops.ops.step_metadata import TokenMetadata, build_token_metadata
+
+HQ, HKV, D, DV = 4, 2, 8, 6  # Dv != D: a K/V mix-up cannot pass
+TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2**-10, rtol=2**-7)}
+
+
+@dataclass
+class Step:
+    query: torch.Tensor  # [T, HQ, D]
+    kv_cache: torch.Tensor  # [num_blocks, N, HKV, D + DV]
+    block_table: torch.Tensor  # [R, max_blocks] int32
+    token: TokenMetadata
+    seq_lens: list[int]
+
+
+def make_step(prior: list[int], new: list[int], num_tokens: int, *, block_size=4, max_blocks=12, seed=0,
+              dtype=torch.float32, strided=False) -> Step:
+    """Requests with ``prior[r]`` cached tokens and ``new[r]`` in this step (padded to ``num_tokens``).
+
+    Blocks are a random permutation; table entries past each request's need are -1 (unallocated); the
+    cache is random everywhere (stale rows must be masked, not zero). ``strided``: the cache is a slice of
+    a wider allocation (page stride != N * H * (D + Dv)).
+    """
+    gen = torch.Generator().manual_seed(seed)
+    seq_lens = [p + n for p, n in zip(prior, new)]
+    needed = [-(-s // block_size) for s in seq_lens]
+    num_blocks = sum(needed) + 3
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    table = torch.full((len(new), max_blocks), -1, dtype=torch.int32)
+    for r, n in enumerate(needed):
+        table[r, :n] = torch.tensor(perm[:n], dtype=torch.int32)
+        perm = perm[n:]
+    width = D + DV + (5 if strided else 0)
+    kv = torch.randn(num_blocks, block_size, HKV, width, generator=gen).to(dtype)[..., : D + DV]
+    qsl = torch.tensor([0] + torch.tensor(new).cumsum(0).tolist(), dtype=torch.int32)
+    token = build_token_metadata(qsl, torch.tensor(seq_lens, dtype=torch.int32), num_tokens)
+    query = torch.randn(num_tokens, HQ, D, generator=gen).to(dtype)
+    return Step(query, kv, table, token, seq_lens)
+
+
+# (prior tokens, new tokens, padded T): decode, verify (k = 3), prefill chunks (one from 0, one continued),
+# a mixed step; every one with padding and ragged context lengths.
+SCENARIOS = {
+    "decode": ([5, 37, 20], [1, 1, 1], 4),
+    "verify": ([13, 30], [4, 4], 9),
+    "prefill": ([0, 20], [9, 3], 16),
+    "mixed": ([40, 0, 7], [1, 11, 4], 17),
+}
+
+
+def dense_oracle(step: Step, scale: float, window: int | None) -> torch.Tensor:
+    """The layers' dense path: every token gathers its request's whole table."""
+    keys = gather_paged_keys(step.kv_cache, D, step.block_table, step.token)
+    allowed = keys.causal
+    if window is not None:
+        key_position = torch.arange(allowed.shape[1])
+        allowed = allowed & (key_position[None, :] > step.token.position.long()[:, None] - window)
+    return masked_attention(step.query, keys.key, keys.value, allowed, scale)
+
+
+def fp64_recompute(step: Step, scale: float, window=None, bias=None, regions=None) -> torch.Tensor:
+    """Per token, in fp64: its request's K/V read position by position through the table, a boolean mask,
+    softmax, weighted sum. ``regions [T, G, K]``: CSA selection (own region added); None = all causal keys."""
+    block_size = step.kv_cache.shape[1]
+    out = torch.zeros(step.query.shape[0], HQ, DV, dtype=torch.float64)
+    for t in range(step.query.shape[0]):
+        p, r = int(step.token.position[t]), int(step.token.request[t])
+        if p < 0:
+            continue
+        k_pos = torch.arange(p + 1)
+        slots = step.block_table[r, k_pos // block_size].long() * block_size + k_pos % block_size
+        rows = step.kv_cache.flatten(0, 1)[slots].double()  # [p + 1, HKV, D + DV]
+        for h in range(HQ):
+            kv_head = h // (HQ // HKV)
+            scores = rows[:, kv_head, :D] @ step.query[t, h].double() * scale
+            keep = torch.ones(p + 1, dtype=torch.bool)
+            if window is not None:
+                keep &= k_pos > p - window
+            if bias is not None:
+                d = p - k_pos
+                scores = scores + torch.where(d < bias.shape[-1], bias[t, h].double()[d.clamp(max=bias.shape[-1] - 1)], 0.0)
+            if regions is not None:
+                g = kv_head // (HKV // regions.shape[1])
+                chosen = set(regions[t, g].tolist()) | {p // 8}
+                keep &= torch.tensor([int(k) // 8 in chosen for k in k_pos])
+            weights = torch.softmax(scores.masked_fill(~keep, float("-inf")), 0)
+            out[t, h] = weights @ rows[:, kv_head, D:]
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [None, 6])
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_paged_attention_matches_dense_path(scenario, window, dtype):
+    prior, new, num_tokens = SCENARIOS[scenario]
+    step = make_step(prior, new, num_tokens, dtype=dtype, strided=scenario == "mixed")
+    want = dense_oracle(step, 0.3, window)
+    # keys_per_chunk 8 = 2 blocks: several chunks and a short last one; query_tile 3 splits prefill chunks.
+    got = paged_attention(step.query, step.kv_cache, step.block_table, step.token, scale=0.3,
+                          sliding_window=window, query_tile=3, keys_per_chunk=8)
+    assert got.dtype == dtype and got.shape == (num_tokens, HQ, DV)
+    torch.testing.assert_close(got.float(), want.float(), **TOL[dtype])
+    padding = step.token.position < 0
+    assert padding.any() and got[padding].eq(0).all()
+
+
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("scenario", ["verify", "mixed"])
+def test_paged_attention_with_distance_bias_matches_fp64(scenario, window):
+    prior, new, num_tokens = SCENARIOS[scenario]
+    step = make_step(prior, new, num_tokens)
+    bias = torch.randn(num_tokens, HQ, 7)  # extent 7: distances 7+ get none, inside and outside the window
+    got = paged_attention(step.query, step.kv_cache, step.block_table, step.token, scale=0.25,
+                          sliding_window=window, distance_bias=bias, query_tile=2, keys_per_chunk=4)
+    torch.testing.assert_close(got.double(), fp64_recompute(step, 0.25, window, bias), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("query_tile", [1, 4, 16])
+def test_tiling_and_chunking_change_only_the_summation_order(query_tile):
+    step = make_step(*SCENARIOS["mixed"])
+    want = fp64_recompute(step, 0.5)
+    for keys_per_chunk in (4, 12, 1024):
+        got = paged_attention(step.query, step.kv_cache, step.block_table, step.token, scale=0.5,
+                              query_tile=query_tile, keys_per_chunk=keys_per_chunk)
+        torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+
+
+def test_sliding_window_reads_only_its_columns():
+    """With a window, the table's columns before it are never gathered: poisoning those blocks with NaN, or
+    freeing them (-1, as an engine frees blocks that left every window), changes nothing."""
+    step = make_step([40, 33], [1, 4], 6, max_blocks=16)
+    want = paged_attention(step.query, step.kv_cache, step.block_table, step.token, scale=0.5, sliding_window=6)
+    kv, table = step.kv_cache.clone(), step.block_table.clone()
+    for r, length in enumerate(step.seq_lens):
+        before_window = slice(0, (length - 10) // 4)
+        kv[table[r, before_window].long()] = float("nan")
+        table[r, before_window] = -1
+    assert torch.equal(paged_attention(step.query, kv, step.block_table, step.token, scale=0.5, sliding_window=6), want)
+    assert torch.equal(paged_attention(step.query, step.kv_cache, table, step.token, scale=0.5, sliding_window=6), want)
+
+
+def selection(num_tokens: int, groups: int, k: int, position: torch.Tensor, seed: int) -> torch.Tensor:
+    """Random distinct earlier-region ids per (token, group); -1 where fewer exist, sometimes the own id."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.full((num_tokens, groups, k), -1, dtype=torch.int64)
+    for t in range(num_tokens):
+        own = int(position[t]) // 8
+        for g in range(groups):
+            pick = torch.randperm(own + 1, generator=gen)[:k]  # may include the own region: ignored
+            ids[t, g, : len(pick)] = pick
+    return ids
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_sparse_region_attention_matches_dense_path(scenario, dtype):
+    prior, new, num_tokens = SCENARIOS[scenario]
+    step = make_step(prior, new, num_tokens, block_size=8, max_blocks=7, dtype=dtype)
+    ids = selection(num_tokens, 1, 2, step.token.position, seed=1)
+    got = sparse_region_attention(step.query, step.kv_cache, step.block_table, step.token, ids, scale=0.3)
+    keys = gather_paged_keys(step.kv_cache, D, step.block_table, step.token)
+    region = torch.arange(keys.causal.shape[1]) // 8
+    chosen = (region[None, :, None] == ids[:, 0][:, None, :]).any(-1)
+    own = region[None, :] == step.token.position.long()[:, None] // 8
+    want = masked_attention(step.query, keys.key, keys.value, keys.causal & (chosen | own), 0.3)
+    torch.testing.assert_close(got.float(), want.float(), **TOL[dtype])
+    assert got[step.token.position < 0].eq(0).all()
+
+
+@pytest.mark.parametrize("groups", [1, 2])
+def test_sparse_region_attention_per_kv_group_matches_fp64(groups):
+    step = make_step(*SCENARIOS["mixed"], block_size=16, max_blocks=4)
+    ids = selection(step.query.shape[0], groups, 3, step.token.position, seed=2)
+    got = sparse_region_attention(step.query, step.kv_cache, step.block_table, step.token, ids, scale=0.4)
+    want = fp64_recompute(step, 0.4, regions=ids)
+    torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("num_items,k,chunk", [(37, 5, 8), (37, 5, 3), (4, 6, 2), (16, 16, 5)])
+def test_streaming_topk_equals_stable_sort(num_items, k, chunk):
+    """Many ties (scores in {0, 1, 2}) and -inf entries, with per-(token, group) scores [T, G, items]."""
+    scores = torch.randint(0, 3, (6, 2, num_items)).float()
+    scores[torch.rand(scores.shape) < 0.3] = float("-inf")
+    values, ids = streaming_topk(lambda start, size: scores[..., start : start + size], num_items, k, chunk)
+    ranked = torch.sort(scores, dim=-1, descending=True, stable=True)
+    n = min(k, num_items)
+    assert torch.equal(values[..., :n], ranked.values[..., :n]) and torch.equal(ids[..., :n], ranked.indices[..., :n])
+    assert ids[..., n:].eq(-1).all() and values[..., n:].eq(float("-inf")).all()
+
+
+def test_csa_region_scorer_selects_as_the_dense_indexer():
+    """The Step5 layer's dense selection ([T, num_regions] scores over summary_cache[summary_slots]) and the
+    streaming one select the same regions, ties included (a zeroed query ties every region at exactly 0).
+    Scores match to an fp32 ulp, not bitwise: the chunk's einsum is a smaller BLAS call than the dense one."""
+    gen = torch.Generator().manual_seed(3)
+    step = make_step([70, 9, 33], [1, 4, 2], 8, block_size=8, max_blocks=12)
+    hi, proxy, summary_block_size, num_regions = 4, 32, 4, 12
+    iq = torch.randn(8, hi, proxy, generator=gen).to(torch.bfloat16)
+    iq[1:3] = 0  # every score 0: ties resolved by id
+    weights = torch.randn(8, hi, generator=gen)
+    summary = torch.randn(40, proxy, generator=gen).to(torch.bfloat16)
+    summary_table = torch.randperm(10, generator=gen)[:9].view(3, 3).int()
+    scorer = csa_region_scorer(iq, weights, summary, summary_table, summary_block_size, step.token)
+    values, ids = streaming_topk(scorer, num_regions, 3, 5)
+
+    slots = region_summary_slots(summary_table, summary_block_size, step.token.request, 0, num_regions)
+    dense = torch.einsum("thp,trp->thr", iq.float(), summary[slots].float())
+    dense = (torch.relu(dense) * weights[:, :, None]).sum(1)
+    dense = dense.masked_fill(torch.arange(num_regions) >= step.token.position.long()[:, None] // 8, float("-inf"))
+    ranked = torch.sort(dense, dim=-1, descending=True, stable=True)
+    assert torch.equal(ids, ranked.indices[:, :3])
+    torch.testing.assert_close(values, ranked.values[:, :3], atol=1e-6, rtol=1e-6)
+
+
+def _all_three(step: Step, bias: torch.Tensor, ids: torch.Tensor):
+    full = paged_attention(step.query, step.kv_cache, step.block_table, step.token, scale=0.3,
+                           distance_bias=bias, query_tile=3, keys_per_chunk=8)
+    window = paged_attention(step.query, step.kv_cache, step.block_table, step.token, scale=0.3, sliding_window=6)
+    scores = step.query.float().sum(-1)  # [T, HQ]: any scores; 4 "regions" chunked by 3
+    topk = streaming_topk(lambda s, n: scores[:, s : s + n], HQ, 2, 3)
+    sparse = sparse_region_attention(step.query, step.kv_cache, step.block_table, step.token, ids, scale=0.3)
+    return full, window, topk[0], topk[1], sparse
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_compiled_fullgraph_matches_eager(backend):
+    step = make_step(*SCENARIOS["mixed"], block_size=8, max_blocks=7, dtype=torch.bfloat16)
+    bias = torch.randn(step.query.shape[0], HQ, 5)
+    ids = selection(step.query.shape[0], 2, 2, step.token.position, seed=4)
+    want = _all_three(step, bias, ids)
+    torch._dynamo.reset()
+    counters.clear()
+    got = torch.compile(_all_three, fullgraph=True, backend=backend)(step, bias, ids)
+    assert not counters["graph_break"]
+    for g, w in zip(got, want):
+        if backend == "aot_eager":  # the same kernels: bitwise
+            assert torch.equal(g, w)
+        else:  # Inductor fuses the fp32 sums in another order: the bf16 rule above
+            torch.testing.assert_close(g.float(), w.float(), **TOL[torch.bfloat16])
+
+
+@pytest.mark.parametrize(
+    "call,match",
+    [
+        (lambda s: paged_attention(s.query[0], s.kv_cache, s.block_table, s.token, scale=1.0), "query must be"),
+        (lambda s: paged_attention(s.query[:, :3], s.kv_cache, s.block_table, s.token, scale=1.0), "multiple of KV"),
+        (lambda s: paged_attention(s.query, s.kv_cache, s.block_table, s.token, scale=1.0, sliding_window=0), "sliding_window"),
+        (lambda s: paged_attention(s.query, s.kv_cache, s.block_table, s.token, scale=1.0,
+                                   distance_bias=torch.zeros(1, HQ, 3)), "distance_bias"),
+        (lambda s: paged_attention(s.query, s.kv_cache, s.block_table.float(), s.token, scale=1.0), "block_table"),
+        (lambda s: sparse_region_attention(s.query, s.kv_cache, s.block_table, s.token,
+                                           torch.zeros(4, 3, 1, dtype=torch.long), scale=1.0), "selected_regions"),
+        (lambda s: sparse_region_attention(s.query, s.kv_cache[:, :4], s.block_table, s.token,
+                                           torch.zeros(4, 1, 1, dtype=torch.long), scale=1.0), "multiple of the region"),
+        (lambda s: streaming_topk(lambda a, b: torch.zeros(1, b), 5, 0, 2), "k \\(0\\)"),
+    ],
+)
+def test_bad_inputs_are_value_errors(call, match):
+    step = make_step(*SCENARIOS["decode"], block_size=8, max_blocks=7)
+    with pytest.raises(ValueError, match=match):
+        call(step)
