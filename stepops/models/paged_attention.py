@@ -289,25 +289,21 @@ def streaming_topk(
     ``(-inf, -1)``. Memory is ``[..., k + chunk_size]``: the scores of all items never exist at once.
 
     Why it is exact: the running top-k is sorted by (score descending, id ascending) and every id in it is
-    below the next chunk's ids, so a stable sort of ``[running, chunk]`` orders ties by id; an item outside a
-    running top-k has k items before it and can never return.
+    below the next chunk's ids, so a stable sort of ``[running, chunk]`` orders ties by id; an item left out
+    of a running top-k has k items before it and can never return.
     """
     if k < 1 or chunk_size < 1 or num_items < 1:
         raise ValueError(f"k ({k}), chunk_size ({chunk_size}) and num_items ({num_items}) must be >= 1")
-    first = min(num_items, max(chunk_size, k))  # a first chunk of at least k items: no placeholders to order
-    scores = score_chunk(0, first)
-    ids = torch.arange(first, device=scores.device).expand_as(scores)
-    values, order = torch.sort(scores, dim=-1, descending=True, stable=True)
-    values, ids = values[..., :k], ids.gather(-1, order[..., :k])
-    for start in range(first, num_items, chunk_size):
-        size = min(chunk_size, num_items - start)
-        chunk = score_chunk(start, size)
-        values = torch.cat([values, chunk], dim=-1)
-        ids = torch.cat([ids, torch.arange(start, start + size, device=chunk.device).expand_as(chunk)], dim=-1)
-        values, order = torch.sort(values, dim=-1, descending=True, stable=True)
-        values, ids = values[..., :k], ids.gather(-1, order[..., :k])
-    if first < k:
-        pad = (*values.shape[:-1], k - first)
+    values = ids = None
+    for start in range(0, num_items, chunk_size):
+        scores = score_chunk(start, min(chunk_size, num_items - start))
+        candidate_ids = torch.arange(start, start + scores.shape[-1], device=scores.device).expand_as(scores)
+        if values is not None:  # the running top-k first: its ids are all lower
+            scores, candidate_ids = torch.cat([values, scores], -1), torch.cat([ids, candidate_ids], -1)
+        values, order = torch.sort(scores, dim=-1, descending=True, stable=True)
+        values, ids = values[..., :k], candidate_ids.gather(-1, order[..., :k])
+    if num_items < k:
+        pad = (*values.shape[:-1], k - num_items)
         values = torch.cat([values, values.new_full(pad, float("-inf"))], dim=-1)
         ids = torch.cat([ids, ids.new_full(pad, -1)], dim=-1)
     return values, ids

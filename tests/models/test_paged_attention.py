@@ -170,6 +170,25 @@ def test_sliding_window_reads_only_its_columns():
     assert torch.equal(paged_attention(step.query, step.kv_cache, table, step.token, scale=0.5, sliding_window=6), want)
 
 
+def test_unallocated_block_inside_the_context_is_masked():
+    """A -1 entry among a request's columns (a block the engine never wrote or freed) hides its keys, in
+    both attentions; it is never read as block 0 (the dense path clamps -1 to 0 and trusts positions)."""
+    step = make_step(*SCENARIOS["verify"], block_size=8, max_blocks=7)
+    table = step.block_table.clone()
+    table[1, 1] = -1  # request 1's positions 8..15: region 1
+    keys = gather_paged_keys(step.kv_cache, D, step.block_table, step.token)
+    region = torch.arange(keys.causal.shape[1]) // 8
+    hole = (region == 1) & (step.token.request == 1)[:, None]
+    got = paged_attention(step.query, step.kv_cache, table, step.token, scale=0.5, keys_per_chunk=8)
+    want = masked_attention(step.query, keys.key, keys.value, keys.causal & ~hole, 0.5)
+    torch.testing.assert_close(got, want, **TOL[torch.float32])
+    ids = torch.tensor([1, 0]).expand(step.query.shape[0], 1, 2)
+    got = sparse_region_attention(step.query, step.kv_cache, table, step.token, ids, scale=0.5)
+    own = region[None, :] == step.token.position.long()[:, None] // 8
+    want = masked_attention(step.query, keys.key, keys.value, keys.causal & ~hole & ((region < 2) | own), 0.5)
+    torch.testing.assert_close(got, want, **TOL[torch.float32])
+
+
 def selection(num_tokens: int, groups: int, k: int, position: torch.Tensor, seed: int) -> torch.Tensor:
     """Random distinct earlier-region ids per (token, group); -1 where fewer exist, sometimes the own id."""
     gen = torch.Generator().manual_seed(seed)
@@ -215,6 +234,7 @@ def test_streaming_topk_equals_stable_sort(num_items, k, chunk):
     values, ids = streaming_topk(lambda start, size: scores[..., start : start + size], num_items, k, chunk)
     ranked = torch.sort(scores, dim=-1, descending=True, stable=True)
     n = min(k, num_items)
+    assert values.shape == ids.shape == (6, 2, k)
     assert torch.equal(values[..., :n], ranked.values[..., :n]) and torch.equal(ids[..., :n], ranked.indices[..., :n])
     assert ids[..., n:].eq(-1).all() and values[..., n:].eq(float("-inf")).all()
 
