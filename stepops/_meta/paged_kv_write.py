@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from stepops._meta.errors import check_errors_arg
+
 _SLOT_DTYPES = (torch.int32, torch.int64)
 
 
@@ -17,12 +19,13 @@ def check_paged_kv_write_args(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    errors: torch.Tensor | None = None,
 ) -> None:
     """Raise ``ValueError``/``TypeError`` unless the shapes below hold.
 
     ``key [T, H, D]``, ``value [T, H, Dv]``, ``key_cache [num_blocks, N, H, D]``,
     ``value_cache [num_blocks, N, H, Dv]`` (same ``num_blocks`` and ``N``), ``slot_mapping [T]`` int32/int64,
-    caches of the same dtype as their inputs, everything on one device.
+    caches of the same dtype as their inputs, everything on one device; ``errors`` None or an int32 ``[1]``.
     """
     if key.dim() != 3 or value.dim() != 3:
         raise ValueError(
@@ -68,6 +71,7 @@ def check_paged_kv_write_args(
             "paged_kv_write: key_cache and value_cache need the same [num_blocks, block_size]; got "
             f"{tuple(key_cache.shape[:2])} and {tuple(value_cache.shape[:2])}"
         )
+    check_errors_arg("paged_kv_write", errors, key.device)
 
 
 def paged_kv_write_fake(
@@ -76,5 +80,6 @@ def paged_kv_write_fake(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    errors: torch.Tensor | None = None,
 ) -> None:
-    check_paged_kv_write_args(key, value, key_cache, value_cache, slot_mapping)
+    check_paged_kv_write_args(key, value, key_cache, value_cache, slot_mapping, errors)

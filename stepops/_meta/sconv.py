@@ -11,6 +11,8 @@ from typing import NamedTuple
 
 import torch
 
+from stepops._meta.errors import check_errors_arg
+
 _WEIGHT_DTYPES = (torch.bfloat16, torch.float32)
 
 
@@ -34,6 +36,7 @@ def check_sconv_args(
     slot_mapping: torch.Tensor,
     token_position: torch.Tensor,
     stream_offset: int,
+    errors: torch.Tensor | None = None,
 ) -> SconvSizes:
     """Check shapes, dtypes and devices of an sconv call; ``TypeError``/``ValueError`` on a mismatch."""
     if x.dtype != torch.bfloat16:
@@ -92,6 +95,7 @@ def check_sconv_args(
     ):
         if tensor.device != x.device:
             raise ValueError(f"sconv: {name} is on {tensor.device}, x on {x.device}; all must share one device")
+    check_errors_arg("sconv", errors, x.device)
     return SconvSizes(num_tokens, num_heads, width, weight.shape[1], block_size)
 
 
@@ -107,9 +111,11 @@ def sconv_fake(
     stream_offset: int,
     residual: bool = True,
     silu: bool = False,
+    errors: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Shapes only: ``y`` is a new ``[T, H * width]`` tensor of x's dtype (never an alias of x)."""
     check_sconv_args(
-        x, weight, cache, block_table, token_request, token_chunk_start, slot_mapping, token_position, stream_offset
-    )
+        x, weight, cache, block_table, token_request, token_chunk_start, slot_mapping, token_position,
+        stream_offset, errors,
+    )  # fmt: skip
     return x.new_empty(x.shape)

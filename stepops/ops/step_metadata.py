@@ -34,19 +34,62 @@ def check_same_device(builder: str, **tensors: torch.Tensor) -> None:
             )
 
 
-def build_token_metadata(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, num_tokens: int) -> TokenMetadata:
-    """Map each of ``num_tokens`` flat token slots to its request, chunk start and position.
+def check_step_lengths(builder: str, query_start_loc: torch.Tensor, seq_lens: torch.Tensor, num_tokens: int) -> None:
+    """``ValueError``/``TypeError`` naming ``builder`` and the argument unless the step is consistent.
 
-    ``query_start_loc``: ``[R + 1]`` int, non-decreasing, starting at 0. ``seq_lens``: ``[R]`` int, on the
-    same device (``ValueError`` otherwise). Every output lives on that device; shapes depend only on
-    ``num_tokens``.
+    Shapes, dtypes and ``num_tokens`` are always checked. The data rules (``query_start_loc`` starts at 0
+    and never decreases, ends at most at ``num_tokens``; ``seq_lens[r]`` counts at least the request's
+    tokens in this step) are checked only where they cost no device sync: CPU tensors, outside
+    ``torch.compile``. On a GPU the op's ``validate=True`` reports their consequences.
     """
-    check_same_device("build_token_metadata", query_start_loc=query_start_loc, seq_lens=seq_lens)
+    if not isinstance(num_tokens, (int, torch.SymInt)) or isinstance(num_tokens, bool) or num_tokens < 0:
+        raise ValueError(f"{builder}: num_tokens must be an int >= 0, got {num_tokens!r}")
     if query_start_loc.dim() != 1 or seq_lens.dim() != 1 or query_start_loc.numel() != seq_lens.numel() + 1:
         raise ValueError(
-            f"query_start_loc must be [R + 1] and seq_lens [R]; got {tuple(query_start_loc.shape)} "
+            f"{builder}: query_start_loc must be [R + 1] and seq_lens [R]; got {tuple(query_start_loc.shape)} "
             f"and {tuple(seq_lens.shape)}"
         )
+    for name, tensor in (("query_start_loc", query_start_loc), ("seq_lens", seq_lens)):
+        if tensor.dtype.is_floating_point or tensor.dtype.is_complex or tensor.dtype == torch.bool:
+            raise TypeError(f"{builder}: {name} must be an integer tensor, got {tensor.dtype}")
+    if query_start_loc.device.type != "cpu" or torch.compiler.is_compiling():
+        return
+    qsl = query_start_loc.tolist()
+    if qsl[0] != 0:
+        raise ValueError(f"{builder}: query_start_loc must start at 0, got {qsl[0]}")
+    query_lens = [b - a for a, b in zip(qsl, qsl[1:])]
+    for r, n in enumerate(query_lens):
+        if n < 0:
+            raise ValueError(
+                f"{builder}: query_start_loc decreases at request {r} ({qsl[r]} -> {qsl[r + 1]}); it must be "
+                "non-decreasing"
+            )
+    if qsl[-1] > num_tokens:
+        raise ValueError(
+            f"{builder}: num_tokens = {num_tokens} is less than the step's {qsl[-1]} tokens (query_start_loc[-1]); "
+            "it must be at least that (the padded token count)"
+        )
+    for r, (n, length) in enumerate(zip(query_lens, seq_lens.tolist())):
+        if length < n:
+            raise ValueError(
+                f"{builder}: seq_lens[{r}] = {length} is less than request {r}'s {n} tokens in this step; "
+                "seq_lens counts the tokens after the step, this step's included"
+            )
+
+
+def build_token_metadata(
+    query_start_loc: torch.Tensor, seq_lens: torch.Tensor, num_tokens: int, *, builder: str = "build_token_metadata"
+) -> TokenMetadata:
+    """Map each of ``num_tokens`` flat token slots to its request, chunk start and position.
+
+    ``query_start_loc``: ``[R + 1]`` int, non-decreasing, starting at 0, ending at most at ``num_tokens``.
+    ``seq_lens``: ``[R]`` int, each at least its request's tokens in this step, on the same device
+    (``ValueError`` otherwise; the data rules are checked where that costs no sync, see
+    :func:`check_step_lengths`). Every output lives on that device; shapes depend only on ``num_tokens``;
+    ``R = 0`` and ``num_tokens = 0`` are allowed. ``builder`` names the caller in error messages.
+    """
+    check_same_device(builder, query_start_loc=query_start_loc, seq_lens=seq_lens)
+    check_step_lengths(builder, query_start_loc, seq_lens, num_tokens)
     qsl = query_start_loc.to(torch.int64)
     token = torch.arange(num_tokens, device=qsl.device, dtype=torch.int64)
     if seq_lens.numel() == 0:  # a step of padding only: there is no request to point at

@@ -3,7 +3,17 @@
 Builds on ``stepops.ops`` (the samples call the ops); no op module imports this package.
 """
 
-from stepops.testing.registry import OPCHECK_UTILS, OpSample, op_samples
+from stepops.testing.memory import StorageSnapshot
+from stepops.testing.registry import OPCHECK_UTILS, OpErrorInput, OpSample, op_error_inputs, op_samples
 from stepops.testing.tolerances import TOLERANCES, Tolerance
 
-__all__ = ["OPCHECK_UTILS", "OpSample", "TOLERANCES", "Tolerance", "op_samples"]
+__all__ = [
+    "OPCHECK_UTILS",
+    "OpErrorInput",
+    "OpSample",
+    "StorageSnapshot",
+    "TOLERANCES",
+    "Tolerance",
+    "op_error_inputs",
+    "op_samples",
+]

@@ -103,7 +103,7 @@ def test_bad_input_gets_a_clear_error(over, error, text):
 
 
 def test_validate_checks_slot_ranges_and_duplicates():
-    with pytest.raises(ValueError, match="slots must be -1 or in \\[0, 12\\)"):
+    with pytest.raises(ValueError, match="paged_kv_write: slot_mapping must be -1 or in \\[0, 12\\)"):
         paged_kv_write(**_args(slot_mapping=torch.tensor([0, 12], dtype=torch.int32)), validate=True)
-    with pytest.raises(ValueError, match="share a slot"):
+    with pytest.raises(ValueError, match="two tokens of one call the same slot"):
         paged_kv_write(**_args(slot_mapping=torch.tensor([3, 3], dtype=torch.int32)), validate=True)

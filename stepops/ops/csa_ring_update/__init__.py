@@ -7,6 +7,7 @@ import torch
 from stepops._library import declare_op
 from stepops._meta.csa_ring_update import check_csa_ring_update_args, csa_ring_update_fake
 from stepops.ops.csa_ring_update.metadata import CSARingMetadata, build_csa_ring_metadata
+from stepops.ops.csa_ring_update.samples import error_inputs as csa_ring_update_error_inputs
 from stepops.ops.csa_ring_update.samples import samples as csa_ring_update_samples
 from stepops.ops.csa_ring_update.torch_kernel import csa_ring_update as csa_ring_update_torch
 from stepops.ops.csa_ring_update.triton_kernel import csa_ring_update_triton
@@ -20,6 +21,7 @@ declare_op(
     triton_kernel=csa_ring_update_triton,
     fake=csa_ring_update_fake,
     samples=csa_ring_update_samples,
+    error_inputs=csa_ring_update_error_inputs,
 )
 
 

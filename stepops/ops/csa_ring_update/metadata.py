@@ -49,19 +49,37 @@ def build_csa_ring_metadata(
         ring_blocks=ring_blocks,
         summary_block_table=summary_block_table,
     )
+    builder = "build_csa_ring_metadata"
+    if seq_lens.dim() != 1:
+        raise ValueError(f"{builder}: seq_lens must be [R], got {tuple(seq_lens.shape)}")
     if ring_blocks.dim() != 1 or ring_blocks.shape[0] != seq_lens.shape[0]:
-        raise ValueError(f"ring_blocks must be [R] = [{seq_lens.shape[0]}], got {tuple(ring_blocks.shape)}")
+        raise ValueError(f"{builder}: ring_blocks must be [R] = [{seq_lens.shape[0]}], got {tuple(ring_blocks.shape)}")
     if (
         summary_block_table.dim() != 2
         or summary_block_table.shape[0] != seq_lens.shape[0]
         or summary_block_table.shape[1] < 1
     ):
         raise ValueError(
-            f"summary_block_table must be [R = {seq_lens.shape[0]}, max_blocks], got {tuple(summary_block_table.shape)}"
+            f"{builder}: summary_block_table must be [R = {seq_lens.shape[0]}, max_blocks >= 1], got "
+            f"{tuple(summary_block_table.shape)}"
         )
-    if rows_per_block < 1 or summary_block_size < 1:
-        raise ValueError(f"rows_per_block ({rows_per_block}) and summary_block_size ({summary_block_size}) must be >= 1")
-    token = build_token_metadata(query_start_loc, seq_lens, num_tokens)
+    for name, value in (("rows_per_block", rows_per_block), ("summary_block_size", summary_block_size)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{builder}: {name} must be an int >= 1, got {value!r}")
+    token = build_token_metadata(query_start_loc, seq_lens, num_tokens, builder=builder)
+    if ring_blocks.device.type == "cpu" and not torch.compiler.is_compiling():
+        # Free to check on CPU: a negative block would put a ring before the cache.
+        has_tokens = query_start_loc[1:] > query_start_loc[:-1]
+        bad = has_tokens & (ring_blocks < 0)
+        if bool(bad.any()):
+            r = int(bad.nonzero()[0])
+            raise ValueError(
+                f"{builder}: ring_blocks[{r}] = {int(ring_blocks[r])} for a request with tokens in this step; "
+                "a ring block is >= 0"
+            )
+    if seq_lens.shape[0] == 0:  # no request: every token is padding, and there is nothing to gather
+        pad = token.position
+        return CSARingMetadata(pad, token.chunk_start, pad.clone(), pad.clone(), pad.clone())
     real = token.position >= 0
     request = token.request.long().clamp(min=0)  # padding reads request 0 and is masked below
     position = token.position.long()

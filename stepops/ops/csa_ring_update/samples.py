@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from stepops._library import SampleInput
+from stepops._library import ErrorInput, SampleInput, guarded
 from stepops.layouts import BoundCSATailRing, CSATailRingLayout
 from stepops.ops.csa_ring_update.metadata import CSARingMetadata, build_csa_ring_metadata
 
@@ -80,7 +80,7 @@ def make_step(
         return torch.randn(*shape, generator=generator).to(torch.bfloat16).to(device)
 
     num_blocks = num_requests + 2
-    cache = randn(num_blocks, rows_per_block * width)
+    cache = guarded(randn(num_blocks, rows_per_block * width))  # bytes around it that must stay unchanged
     ring = bind_ring(cache, capacity, width).rows
     ring_blocks = torch.randperm(num_blocks, generator=generator)[:num_requests]
 
@@ -88,7 +88,7 @@ def make_step(
     num_slots = num_requests * blocks_per_request * SUMMARY_BLOCK_SIZE
     summary_block_table = torch.randperm(num_requests * blocks_per_request, generator=generator)
     summary_block_table = summary_block_table.view(num_requests, blocks_per_request)
-    summary_cache = randn(num_slots, proxy_dim).to(summary_dtype)
+    summary_cache = guarded(randn(num_slots, proxy_dim).to(summary_dtype))
 
     query_start_loc = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
     metadata = build_csa_ring_metadata(
@@ -138,3 +138,30 @@ def samples(device: torch.device) -> Iterator[SampleInput]:
     for name, kwargs in cases.items():
         step = make_step(**kwargs, device=device, generator=generator)
         yield SampleInput(name, step.op_args())
+
+
+def error_inputs(device: torch.device) -> Iterator[ErrorInput]:
+    """Bad calls of ``stepops::csa_ring_update`` and their errors: shape and dtype rules. Step: request 0 at positions 13..15
+    (tokens 0-2; token 2 closes region 1, replaying 5 ring rows), request 1 at position 23 (token 3,
+    closes region 2), one padding token; capacity 8, blocks 10 rows apart (ring: 38 rows)."""
+    def call(name, edit=lambda args: None):
+        step = make_step(
+            [3, 1], [16, 24], proxy_dim=4, capacity=8, rows_per_block=10, num_padding=1, device=device,
+            generator=torch.Generator().manual_seed(3),
+        )  # fmt: skip
+        args = list(step.op_args())
+        args[4:9] = [m.clone() for m in args[4:9]]
+        edit(args)
+        return SampleInput(name, tuple(args))
+
+    yield ErrorInput(
+        call("capacity_6", lambda args: args.__setitem__(9, 6)), ValueError, "csa_ring_update: capacity 6 < 7"
+    )
+    yield ErrorInput(
+        call("ring_row_width", lambda args: args.__setitem__(2, args[2][:, :6])), ValueError,
+        r"csa_ring_update: a ring row is \[index_k \| index_z\] = 8 bf16 values",
+    )  # fmt: skip
+    yield ErrorInput(
+        call("summary_float32", lambda args: args.__setitem__(3, args[3].float())), TypeError,
+        "csa_ring_update: summary_cache must be bfloat16",
+    )  # fmt: skip

@@ -10,17 +10,19 @@ import torch
 
 from stepops._library import declare_op
 from stepops._meta.paged_kv_write import check_paged_kv_write_args, paged_kv_write_fake
-from stepops.ops.paged_kv_write.samples import paged_kv_write_samples
+from stepops.ops.bounds import check_ids
+from stepops.ops.paged_kv_write.samples import paged_kv_write_error_inputs, paged_kv_write_samples
 from stepops.ops.paged_kv_write.torch_kernel import paged_kv_write_torch
 from stepops.ops.paged_kv_write.triton_kernel import paged_kv_write_triton
 
 declare_op(
     "paged_kv_write",
-    mutates_args=("key_cache", "value_cache"),
+    mutates_args=("key_cache", "value_cache", "errors"),
     torch_kernel=paged_kv_write_torch,
     triton_kernel=paged_kv_write_triton,
     fake=paged_kv_write_fake,
     samples=paged_kv_write_samples,
+    error_inputs=paged_kv_write_error_inputs,
 )
 
 
@@ -31,27 +33,38 @@ def paged_kv_write(
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
     *,
+    errors: torch.Tensor | None = None,
     validate: bool = False,
 ) -> None:
     """Write ``key [T, H, D]`` and ``value [T, H, Dv]`` to ``key_cache``/``value_cache [num_blocks, N, H, *]``.
 
     Token ``t`` goes to block ``slot_mapping[t] // N``, offset ``slot_mapping[t] % N``; slot ``-1`` (padding)
-    writes nothing. ``validate=True`` also checks on the host (a sync) that every slot is ``-1`` or inside
-    the cache and that no two tokens share a slot; leave it off in compiled and captured code.
+    writes nothing. A slot outside the cache never writes: on CPU the op raises ``ValueError`` before
+    writing anything; on CUDA the token writes nothing and is counted in ``errors`` (an int32 ``[1]``
+    device counter, ``stepops.error_counter()``, read after the step). ``validate=True`` also checks on the
+    host (a sync) that every slot is ``-1`` or inside the cache and that no two tokens share a slot; leave
+    it off in compiled and captured code.
     """
     if validate:
-        check_paged_kv_write_args(key, value, key_cache, value_cache, slot_mapping)
-        slots = slot_mapping.to(torch.int64).cpu()
-        num_slots = key_cache.shape[0] * key_cache.shape[1]
-        bad = (slots < -1) | (slots >= num_slots)
-        if bool(bad.any()):
-            raise ValueError(
-                f"paged_kv_write: slots must be -1 or in [0, {num_slots}); got {slots[bad][:8].tolist()}"
-            )
-        real = slots[slots >= 0]
-        if real.unique().numel() != real.numel():
-            raise ValueError("paged_kv_write: two tokens of one call share a slot")
-    torch.ops.stepops.paged_kv_write(key, value, key_cache, value_cache, slot_mapping)
+        validate_paged_kv_write_inputs(key, value, key_cache, value_cache, slot_mapping)
+    torch.ops.stepops.paged_kv_write(key, value, key_cache, value_cache, slot_mapping, errors)
 
 
-__all__ = ["paged_kv_write"]
+@torch.compiler.disable
+def validate_paged_kv_write_inputs(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Host-side data checks of a paged_kv_write call; ``ValueError``. Syncs, so it runs outside any graph."""
+    check_paged_kv_write_args(key, value, key_cache, value_cache, slot_mapping)
+    slots = slot_mapping.to(torch.int64).cpu()
+    check_ids("paged_kv_write", "slot_mapping", slots, key_cache.shape[0] * key_cache.shape[1])
+    real = slots[slots >= 0]
+    if real.unique().numel() != real.numel():
+        raise ValueError("paged_kv_write: slot_mapping gives two tokens of one call the same slot; slots must be distinct")
+
+
+__all__ = ["paged_kv_write", "validate_paged_kv_write_inputs"]

@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 import torch
 
-from stepops._library import SampleInput
+from stepops._library import ErrorInput, SampleInput, guarded
 
 
 def _slots(num_blocks: int, block_size: int, num_tokens: int, num_padding: int, dtype, device, gen) -> torch.Tensor:
@@ -47,4 +47,38 @@ def paged_kv_write_samples(device: torch.device) -> Iterator[SampleInput]:
     yield make("all_padding_fp16", tokens=3, heads=2, head_size=4, head_size_v=4, num_blocks=2, block_size=4,
                padding=3, dtype=torch.float16)
     # A model-sized GQA layer (8 KV heads of 128): the configuration the GPU-build check must see compiled.
+    yield make("empty_t0", tokens=0, heads=2, head_size=8, head_size_v=8, num_blocks=2, block_size=4)
     yield make("model_heads_8x128", tokens=4, heads=8, head_size=128, head_size_v=128, num_blocks=2, block_size=16)
+
+
+def paged_kv_write_error_inputs(device: torch.device) -> Iterator[ErrorInput]:
+    """Bad calls and their errors: out-of-range and negative slots (with a valid token first, so a partial
+    write would show), and each shape/dtype rule. Caches sit inside larger buffers (``guarded``)."""
+    gen = torch.Generator().manual_seed(1)
+    num_blocks, block_size, heads, dim = 3, 4, 2, 8
+    num_slots = num_blocks * block_size
+
+    def call(name, *, slots=(5, 0, -1), key_dtype=torch.bfloat16, cache_dtype=torch.bfloat16, errors=None,
+             key_shape=None, slot_dtype=torch.int32):
+        tokens = len(slots)
+        key = torch.randn(*(key_shape or (tokens, heads, dim)), generator=gen).to(key_dtype).to(device)
+        value = torch.randn(tokens, heads, dim, generator=gen).to(torch.bfloat16).to(device)
+        caches = [
+            guarded(torch.randn(num_blocks, block_size, heads, dim, generator=gen).to(dtype).to(device))
+            for dtype in (cache_dtype, torch.bfloat16)
+        ]
+        slot_mapping = torch.tensor(slots, dtype=slot_dtype, device=device)
+        kwargs = {} if errors is None else {"errors": errors}
+        return SampleInput(name, (key, value, *caches, slot_mapping), kwargs)
+
+    slot_rule = rf"paged_kv_write: slot_mapping must be -1 or in \[0, {num_slots}\)"
+    for name, bad in (("slot_one_past_the_end", num_slots), ("slot_1e7", 10**7), ("slot_minus_2", -2)):
+        yield ErrorInput(call(name, slots=(5, bad, -1)), ValueError, slot_rule + rf"; got \[{bad}\]", data=True)
+    yield ErrorInput(call("key_2d", key_shape=(3, heads * dim)), ValueError, r"paged_kv_write: key and value must be \[T, H, D\]")
+    yield ErrorInput(call("float_slots", slot_dtype=torch.float32), TypeError, "slot_mapping must be int32 or int64")
+    yield ErrorInput(call("cache_dtype", cache_dtype=torch.float16), TypeError, "a cache must have its input's dtype")
+    yield ErrorInput(call("token_count", key_shape=(2, heads, dim)), ValueError, "need the same token count")
+    yield ErrorInput(
+        call("errors_int64", errors=torch.zeros(1, dtype=torch.int64, device=device)), TypeError,
+        "paged_kv_write: errors must be an int32 counter",
+    )  # fmt: skip

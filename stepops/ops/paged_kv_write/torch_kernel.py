@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from stepops._meta.paged_kv_write import check_paged_kv_write_args
+from stepops.ops.bounds import check_ids
 
 
 def paged_kv_write_torch(
@@ -13,6 +14,7 @@ def paged_kv_write_torch(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    errors: torch.Tensor | None = None,
 ) -> None:
     """Store each token's key and value rows at its slot of a paged KV cache.
 
@@ -24,13 +26,15 @@ def paged_kv_write_torch(
     ``key_cache[slot // N, slot % N] = key[t]`` and ``value_cache[slot // N, slot % N] = value[t]``.
     ``slot = -1`` marks a padding token and writes nothing; nothing but the named slots is written.
 
-    Invariants the caller keeps: every slot is ``-1`` or in ``[0, num_blocks * N)``; no two tokens of one
-    call share a slot (which one would win is unspecified). Slot ranges are checked only by the wrapper's
-    ``validate=True``, which syncs with the host.
+    Every slot must be ``-1`` or in ``[0, num_blocks * N)`` (``stepops.ops.bounds``): this kernel raises a
+    ``ValueError`` before writing anything; the Triton kernel writes nothing for such a token and counts it
+    in ``errors`` (int32 ``[1]``, optional; never written here). No two tokens of one call may share a slot
+    (which one would win is unspecified); the wrapper's ``validate=True`` checks that on the host.
     """
-    check_paged_kv_write_args(key, value, key_cache, value_cache, slot_mapping)
+    check_paged_kv_write_args(key, value, key_cache, value_cache, slot_mapping, errors)
     block_size = key_cache.shape[1]
     slots = slot_mapping.to(torch.int64)
+    check_ids("paged_kv_write", "slot_mapping", slots, key_cache.shape[0] * block_size)
     keep = slots >= 0
     # Padding tokens are dropped by index (a data-dependent size): fine inside an opaque op on the CPU path.
     tokens = keep.nonzero().squeeze(1)

@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 
 from stepops._meta.paged_kv_write import check_paged_kv_write_args
+from stepops.ops.triton_bounds import bad_id, count_error, in_extent
 
 
 @triton.jit
@@ -21,7 +22,9 @@ def _paged_kv_write_kernel(
     key_cache_ptr,
     value_cache_ptr,
     slot_mapping_ptr,
+    errors_ptr,
     block_size,
+    num_slots,
     num_heads,
     head_size,
     head_size_v,
@@ -42,17 +45,20 @@ def _paged_kv_write_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr,
+    HAS_ERRORS: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
-    # Padding (slot -1) writes nothing: every store below is masked by `write`, so the grid stays one
-    # program per token whatever the data (CUDA-graph safe).
-    block = tl.where(slot >= 0, slot // block_size, 0)
-    offset = tl.where(slot >= 0, slot % block_size, 0)
+    # Padding (slot -1) and a slot outside the caches write nothing (the latter is counted as an error):
+    # every store below is masked by `write`, so the grid stays one program per token whatever the data.
+    inside = in_extent(slot, num_slots)
+    count_error(errors_ptr, bad_id(slot, num_slots), HAS_ERRORS)
+    block = tl.where(inside, slot // block_size, 0)
+    offset = tl.where(inside, slot % block_size, 0)
     heads = tl.arange(0, BLOCK_H)[:, None]
     head_ok = heads < num_heads
     # A [BLOCK_H, 1] tensor rather than a scalar: the interpreter rejects a scalar bool in a mask.
-    write = (heads * 0 + slot) >= 0
+    write = in_extent(heads * 0 + slot, num_slots)
 
     dims = tl.arange(0, BLOCK_D)[None, :]
     mask = head_ok & (dims < head_size)
@@ -73,9 +79,10 @@ def paged_kv_write_triton(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    errors: torch.Tensor | None = None,
 ) -> None:
     """Launch one program per token; the grid depends only on ``T`` (see the PyTorch kernel for semantics)."""
-    check_paged_kv_write_args(key, value, key_cache, value_cache, slot_mapping)
+    check_paged_kv_write_args(key, value, key_cache, value_cache, slot_mapping, errors)
     num_tokens, num_heads, head_size = key.shape
     if num_tokens == 0:
         return
@@ -85,7 +92,9 @@ def paged_kv_write_triton(
         key_cache,
         value_cache,
         slot_mapping,
+        slot_mapping if errors is None else errors,  # any pointer when there is no counter: never touched
         key_cache.shape[1],
+        key_cache.shape[0] * key_cache.shape[1],
         num_heads,
         head_size,
         value.shape[2],
@@ -96,6 +105,7 @@ def paged_kv_write_triton(
         BLOCK_H=triton.next_power_of_2(num_heads),
         BLOCK_D=triton.next_power_of_2(head_size),
         BLOCK_DV=triton.next_power_of_2(value.shape[2]),
+        HAS_ERRORS=errors is not None,
         # Triton's default, stated: 128 threads x 8 bf16 (one 128-bit access each) cover a model-sized
         # [8, 128] head tile in one pass; a pure copy needs no more threads per token.
         num_warps=4,

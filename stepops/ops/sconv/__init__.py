@@ -14,7 +14,7 @@ import torch
 from stepops._library import declare_op
 from stepops._meta.sconv import check_sconv_args, sconv_fake
 from stepops.ops.sconv.metadata import SconvMetadata, build_sconv_metadata
-from stepops.ops.sconv.samples import samples
+from stepops.ops.sconv.samples import error_inputs, samples
 from stepops.ops.sconv.torch_kernel import sconv_torch
 from stepops.ops.sconv.triton_kernel import sconv_triton
 
@@ -22,11 +22,12 @@ __all__ = ["SconvMetadata", "build_sconv_metadata", "sconv", "validate_sconv_inp
 
 declare_op(
     "sconv",
-    mutates_args=("cache",),
+    mutates_args=("cache", "errors"),
     torch_kernel=sconv_torch,
     triton_kernel=sconv_triton,
     fake=sconv_fake,
     samples=samples,
+    error_inputs=error_inputs,
 )
 
 
@@ -40,6 +41,7 @@ def sconv(
     *,
     residual: bool = True,
     silu: bool = False,
+    errors: torch.Tensor | None = None,
     validate: bool = False,
 ) -> torch.Tensor:
     """Store one stream's inputs of a ragged step in ``cache`` and return its short convolution.
@@ -52,6 +54,11 @@ def sconv(
     once (``silu`` applies ``a / (1 + exp(-a))`` to the sum first; ``residual=False`` drops ``x[t, c]``);
     padding rows are zero.
 
+    No id makes the op touch memory outside its tensors (``stepops.ops.bounds``): on CPU an out-of-range
+    request, chunk start, slot or block is a ``ValueError`` raised before anything is written; on CUDA
+    those addresses are masked (nothing written, zeros read) and the token is counted in ``errors``, an
+    optional int32 ``[1]`` device counter (``stepops.error_counter()``) read after the step.
+
     ``validate=True`` first checks on the host (a device sync; keep it off in serving and under
     ``torch.compile``) that the metadata describe contiguous, in-order request rows, that slots match
     the block table, that every block read or written exists (the kernels read an earlier tap whose
@@ -63,9 +70,10 @@ def sconv(
         raise TypeError(f"sconv: metadata must be an SconvMetadata, got {type(metadata).__name__}")
     if validate:
         validate_sconv_inputs(x, weight, cache, block_table, metadata, stream_offset)
-    return torch.ops.stepops.sconv(x, weight, cache, block_table, *metadata, stream_offset, residual, silu)
+    return torch.ops.stepops.sconv(x, weight, cache, block_table, *metadata, stream_offset, residual, silu, errors)
 
 
+@torch.compiler.disable  # a host sync: under torch.compile it runs eagerly and raises its own errors
 def validate_sconv_inputs(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -96,25 +104,39 @@ def validate_sconv_inputs(
     stored: dict[int, int] = {}
     read: dict[int, int] = {}
     for t, (r, start, slot, p) in enumerate(zip(request, chunk_start, slot_mapping, position)):
-        if r < 0:
+        if r == -1:
             if (start, slot, p) != (-1, -1, -1):
                 raise ValueError(f"sconv: padding token {t} must carry -1 in every metadata tensor")
             continue
-        if r >= num_requests:
-            raise ValueError(f"sconv: token {t} belongs to request {r}, but block_table has {num_requests} rows")
-        if p < 0 or not 0 <= start <= t:
-            raise ValueError(f"sconv: token {t} has position {p} and chunk start {start}")
-        if t > start and (request[t - 1] != r or position[t - 1] != p - 1):
+        if not 0 <= r < num_requests:
             raise ValueError(
-                f"sconv: rows {start}..{t} of request {r} are not contiguous with consecutive positions"
+                f"sconv: token_request of token {t} is {r}; expected -1 (padding) or a block_table row in "
+                f"[0, {num_requests})"
             )
+        if not 0 <= start <= t:
+            raise ValueError(f"sconv: token {t} has chunk start {start}; expected one in [0, {t}]")
+        if p < 0:
+            raise ValueError(
+                f"sconv: token {t} of request {r} has position {p}; a real token's position is >= 0 "
+                "(seq_lens shorter than the request's tokens in this step?)"
+            )
+        if t > start and request[t - 1] != r:
+            raise ValueError(f"sconv: rows {start}..{t} of request {r} are not contiguous (row {t - 1} is another's)")
+        if t > start and position[t - 1] != p - 1:
+            order = "backwards" if position[t - 1] >= p else "with a gap"
+            raise ValueError(
+                f"sconv: request {r}'s positions run {order}: token {t - 1} at {position[t - 1]}, token {t} at {p}; "
+                "a request's rows hold consecutive positions in order"
+            )
+        if slot < -1:
+            raise ValueError(f"sconv: token {t} has slot {slot}; expected -1 (not stored) or a slot >= 0")
         first_position = p - (t - start)
         for q in range(max(0, p - kernel_size + 1), first_position):
             read[block_of(r, q, "read") * block_size + q % block_size] = t
         if slot >= 0:  # a real token with slot -1 (e.g. its block is not allocated) is not stored
             expected = block_of(r, p, "stored") * block_size + p % block_size
             if slot != expected:
-                raise ValueError(f"sconv: token {t} has slot {slot}, but its block table gives {expected}")
+                raise ValueError(_slot_mismatch(t, slot, expected, block_size, table, request, slot_mapping, position))
             if slot in stored:
                 raise ValueError(f"sconv: tokens {stored[slot]} and {t} store the same slot {slot}")
             stored[slot] = t
@@ -122,3 +144,22 @@ def validate_sconv_inputs(
     if clash:
         slot = min(clash)
         raise ValueError(f"sconv: token {stored[slot]} stores slot {slot}, which token {read[slot]} reads")
+
+
+def _slot_mismatch(t, slot, expected, block_size, table, request, slot_mapping, position) -> str:
+    """The message for a slot that its block table does not give: names the block size the metadata were
+    built for when one other ``N`` explains every stored slot (the common mistake), else the token."""
+    stored = [(r, s, p) for r, s, p in zip(request, slot_mapping, position) if r >= 0 and s >= 0]
+
+    def explains(n: int) -> bool:
+        return all(
+            p // n < len(table[r]) and table[r][p // n] >= 0 and s == table[r][p // n] * n + p % n for r, s, p in stored
+        )
+
+    others = [n for n in range(1, max(s for _, s, _ in stored) + 2) if n != block_size and explains(n)]
+    if others:
+        return (
+            f"sconv: the metadata were built for block size {others[0]}, but the cache's block size N is "
+            f"{block_size} (cache.shape[2]); build them with build_sconv_metadata(..., block_size={block_size})"
+        )
+    return f"sconv: token {t} has slot {slot}, but its block table gives {expected} (block size {block_size})"

@@ -40,15 +40,22 @@ def build_sconv_metadata(
         "build_sconv_metadata", block_table=block_table, query_start_loc=query_start_loc, seq_lens=seq_lens
     )
     if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
-        raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
+        raise ValueError(
+            f"build_sconv_metadata: block_size must be an int >= 1 (the cache's N, cache.shape[2]), got {block_size!r}"
+        )
     if block_table.dtype != torch.int32 or block_table.dim() != 2 or block_table.shape[1] < 1:
         raise ValueError(
-            f"block_table must be [R, max_blocks] int32 with max_blocks >= 1, got {block_table.dtype} "
-            f"{tuple(block_table.shape)}"
+            f"build_sconv_metadata: block_table must be [R, max_blocks] int32 with max_blocks >= 1, got "
+            f"{block_table.dtype} {tuple(block_table.shape)}"
         )
     if block_table.shape[0] != seq_lens.numel():
-        raise ValueError(f"block_table has {block_table.shape[0]} rows for {seq_lens.numel()} requests")
-    token = build_token_metadata(query_start_loc, seq_lens, num_tokens)
+        raise ValueError(
+            f"build_sconv_metadata: block_table has {block_table.shape[0]} rows for {seq_lens.numel()} requests "
+            "(seq_lens); it needs one row per request"
+        )
+    token = build_token_metadata(query_start_loc, seq_lens, num_tokens, builder="build_sconv_metadata")
+    if block_table.shape[0] == 0:  # no request: every token is padding, and there is no row to gather
+        return SconvMetadata(token.request, token.chunk_start, token.request.clone(), token.position)
     request = token.request.clamp(min=0).to(torch.int64)
     position = token.position.clamp(min=0).to(torch.int64)
     column = position // block_size

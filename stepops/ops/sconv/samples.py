@@ -18,7 +18,7 @@ from itertools import accumulate
 
 import torch
 
-from stepops._library import SampleInput
+from stepops._library import ErrorInput, SampleInput, guarded
 from stepops.layouts import INKLING_EXAMPLE_LAYOUT, InklingConvStateLayout, InklingStream
 from stepops.ops.sconv.metadata import SconvMetadata, build_sconv_metadata
 
@@ -88,7 +88,7 @@ def _sample(
     offset, width = layout.stream_range(stream)
     shape = layout.cache_shape(num_blocks=num_blocks, block_size=block_size)
     n = shape[2]
-    max_blocks = max(-(-(p + k) // n) for p, k in zip(prior_lens, new_lens))
+    max_blocks = max((-(-(p + k) // n) for p, k in zip(prior_lens, new_lens)), default=1)
     block_table = random_block_table(len(new_lens), max_blocks, shape[0], generator=generator, device=device)
     metadata = step_metadata(prior_lens, new_lens, block_table, n, num_tokens)
     channels = layout.local_num_kv_heads * width
@@ -155,6 +155,8 @@ def samples(device: torch.device) -> Iterator[SampleInput]:
         stream=InklingStream.V,
         block_gap=96,
     )
+    yield _sample("empty_t0", device, seed=15, prior_lens=[3], new_lens=[0], num_tokens=0, stream=InklingStream.K)
+    yield _sample("no_requests_r0", device, seed=16, prior_lens=[], new_lens=[], num_tokens=2, stream=InklingStream.V)
     yield _sample(
         "padding_only", device, seed=6, prior_lens=[4], new_lens=[0], num_tokens=3, stream=InklingStream.ATTN_OUT
     )
@@ -193,3 +195,57 @@ def samples(device: torch.device) -> Iterator[SampleInput]:
             layout=INKLING_EXAMPLE_LAYOUT,
             num_blocks=4,
         )
+
+
+def error_inputs(device: torch.device) -> Iterator[ErrorInput]:
+    """Bad calls of ``stepops::sconv`` and their errors: each id out of range (the first tokens are valid,
+    so a partial write would show), then shape, dtype and argument rules. The cache sits inside a larger
+    buffer (``guarded``). Step: request 0 at positions 5..6 (tokens 0-1, reading positions 2..4 from the
+    cache), request 1 at position 2 (token 2), one padding token."""
+    num_blocks = 6
+
+    def call(name, edit=lambda args: None, **kwargs):
+        sample = _sample(
+            name, device, seed=20, prior_lens=[5, 2], new_lens=[2, 1], num_tokens=4, stream=InklingStream.V,
+            num_blocks=num_blocks,
+        )  # fmt: skip
+        args = list(sample.args)
+        args[2] = guarded(args[2])
+        args[4:8] = [m.clone() for m in args[4:8]]
+        edit(args)
+        return SampleInput(name, tuple(args), {**sample.kwargs, **kwargs})
+
+    def set_id(index, token, value):
+        return lambda args: args[index].__setitem__(token, value)
+
+    request_rule = r"sconv: token_request must be -1 or a block_table row in \[0, 2\); got \[{}\] at tokens \[2\]"
+    for value in (2, -2):
+        yield ErrorInput(call(f"token_request_{value}", set_id(4, 2, value)), ValueError, request_rule.format(value), True)
+    yield ErrorInput(
+        call("chunk_start_negative", set_id(5, 1, -3)), ValueError,
+        r"sconv: token_chunk_start must be in \[0, t\] for a real token t .*got \[-3\] at tokens \[1\]", True,
+    )  # fmt: skip
+    slot_rule = rf"sconv: slot_mapping must be -1 or in \[0, {num_blocks * 4}\); got \[{{}}\]"
+    for value in (num_blocks * 4, 10**7, -2):
+        yield ErrorInput(call(f"slot_{value}", set_id(6, 1, value)), ValueError, slot_rule.format(value), True)
+    block_rule = rf"sconv: block_table must be negative \(unallocated\) or in \[0, {num_blocks}\)"
+    for value in (num_blocks, 10**6):  # request 1's first block: token 2's taps at positions 0..1 read it
+        yield ErrorInput(
+            call(f"read_block_{value}", lambda args, v=value: args[3].__setitem__((1, 0), v)), ValueError,
+            block_rule + rf".*; got \[{value}\] at tokens \[2\]", True,
+        )  # fmt: skip
+    yield ErrorInput(
+        call("x_float32", lambda args: args.__setitem__(0, args[0].float())), TypeError, "sconv: x must be bfloat16"
+    )
+    yield ErrorInput(
+        call("stream_offset_past_d", lambda args: args.__setitem__(8, 60)), ValueError,
+        r"sconv: stream range \[60, 68\) lies outside the cache's D = 64",
+    )  # fmt: skip
+    yield ErrorInput(
+        call("request_int64", lambda args: args.__setitem__(4, args[4].long())), TypeError,
+        "sconv: token_request must be int32",
+    )  # fmt: skip
+    yield ErrorInput(
+        call("errors_shape", errors=torch.zeros(2, dtype=torch.int32, device=device)), ValueError,
+        r"sconv: errors must be an int32 \[1\] tensor",
+    )  # fmt: skip

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from stepops._meta.sconv import check_sconv_args
+from stepops.ops.bounds import check_ids
 
 
 def sconv_torch(
@@ -29,6 +30,7 @@ def sconv_torch(
     stream_offset: int,
     residual: bool = True,
     silu: bool = False,
+    errors: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Inkling short conv of one stream over a ragged step: store each token's input, convolve W taps.
 
@@ -52,8 +54,14 @@ def sconv_torch(
       tap too: neither kernel reads memory for it. ``silu=True`` applies
       ``a / (1 + exp(-a))`` to the conv sum before the residual; ``residual=False`` drops ``x[t, c]``.
 
-    Padding tokens (``token_request[t] < 0``) write nothing and get a zero row of ``y``; a real token
-    with ``slot_mapping[t] < 0`` gets its output but is not stored. Reads see the cache as it was before
+    Padding tokens (``token_request[t] = -1``) write nothing and get a zero row of ``y``; a real token
+    with ``slot_mapping[t] = -1`` gets its output but is not stored.
+
+    Memory safety (``stepops.ops.bounds``): ``token_request`` must be -1 or a row of ``block_table``, a
+    real token's ``token_chunk_start`` in ``[0, t]``, its slot -1 or in ``[0, num_blocks * N)``, and every
+    block it reads negative or in ``[0, num_blocks)``. This kernel raises ``ValueError`` before writing
+    anything otherwise; the Triton kernel masks such addresses (nothing written, zeros read) and counts
+    the token in ``errors`` (int32 ``[1]``, optional; never written here). Reads see the cache as it was before
     the step (a valid step never reads a slot it stores, see ``docs/ops.md``).
 
     Caller invariants (checked on the host by ``validate=True`` of the wrapper): the rows of a request
@@ -63,17 +71,26 @@ def sconv_torch(
     among the slots the step reads.
     """
     sizes = check_sconv_args(
-        x, weight, cache, block_table, token_request, token_chunk_start, slot_mapping, token_position, stream_offset
-    )
+        x, weight, cache, block_table, token_request, token_chunk_start, slot_mapping, token_position,
+        stream_offset, errors,
+    )  # fmt: skip
     num_tokens, num_heads, width, kernel_size, block_size = sizes
-    max_blocks = block_table.shape[1]
+    num_blocks, max_blocks = cache.shape[0], block_table.shape[1]
     stream = cache[..., stream_offset : stream_offset + width]  # [num_blocks, H, N, width] view
     row = torch.arange(num_tokens, device=x.device, dtype=torch.int64)
     request = token_request.to(torch.int64)
     position = token_position.to(torch.int64)
+    # Every id that becomes an address is checked before anything is written (stepops.ops.bounds).
+    num_requests = block_table.shape[0]
+    check_ids("sconv", "token_request", request, num_requests, expected=f"-1 or a block_table row in [0, {num_requests})")
     is_real = request >= 0
+    check_ids("sconv", "token_chunk_start", token_chunk_start, row + 1, where=is_real, padding=False,
+              expected="in [0, t] for a real token t (the row of its request's first token in this step)")
+    check_ids("sconv", "slot_mapping", slot_mapping, num_blocks * block_size, where=is_real)
     first_position = position - (row - token_chunk_start.to(torch.int64))
     safe_request = torch.where(is_real, request, 0)
+    # An empty table (R = 0, or no columns): unallocated entries keep the gather below in bounds.
+    table = block_table if block_table.numel() else block_table.new_full((max(num_requests, 1), 1), -1)
 
     x_f32 = x.float()
     weight_f32 = weight.float()
@@ -86,10 +103,12 @@ def sconv_torch(
         q_safe = torch.where(in_cache, q, 0)
         column = q_safe // block_size
         in_table = column < max_blocks
-        block = block_table[safe_request, column.clamp(max=max_blocks - 1)].to(torch.int64)
+        block = table[safe_request, column.clamp(max=table.shape[1] - 1)].to(torch.int64)
         in_cache = in_cache & in_table & (block >= 0)  # an unallocated block is a zero tap
+        check_ids("sconv", "block_table", block, num_blocks, where=in_cache, padding=False,
+                  expected=f"negative (unallocated) or in [0, {num_blocks}) for every block a token reads")
         block = torch.where(in_cache, block, 0)
-        from_cache = stream[block, :, q_safe % block_size].reshape(num_tokens, -1).float()
+        from_cache = stream[block, :, q_safe % block_size].reshape(num_tokens, num_heads * width).float()
         tap = torch.where(in_step[:, None], from_x, torch.where(in_cache[:, None], from_cache, 0.0))
         acc = acc + weight_f32[:, j] * tap
     if silu:

@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 
 from stepops._meta.sconv import check_sconv_args
+from stepops.ops.triton_bounds import bad_id, count_error, in_extent
 from stepops.ops.triton_rounding import round_fp32_to_bf16
 
 # Channels of one head per program, capped so one program's W taps (W x-rows + W cache rows of BLOCK_W
@@ -51,8 +52,12 @@ def _sconv_kernel(
     slot_mapping_ptr,
     token_position_ptr,
     y_ptr,
+    errors_ptr,
+    num_tokens,
     width,
     block_size,
+    num_blocks,
+    num_requests,
     max_blocks,
     stream_offset,
     stride_x_token,
@@ -70,6 +75,7 @@ def _sconv_kernel(
     RESIDUAL: tl.constexpr,
     SILU: tl.constexpr,
     BLOCK_W: tl.constexpr,
+    HAS_ERRORS: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
@@ -80,12 +86,22 @@ def _sconv_kernel(
     # Token scalars are broadcast over the channel block, so every mask below is built from block-shaped
     # comparisons: triton 3.9's interpreter gives a splatted scalar bool an int32 payload, which tl.load
     # rejects as a mask. On a GPU the broadcast loads of one address cost one transaction per warp.
+    # Every data-derived address is masked to its tensor's extent (stepops.ops.bounds): a token whose
+    # request, chunk start or slot is out of range, or that reads a block past the cache, reads zeros
+    # there, writes nothing there, and is counted once (by its program for head 0, channel block 0).
+    request_id = tl.load(token_request_ptr + token).to(tl.int64)
+    chunk_start = tl.load(token_chunk_start_ptr + token).to(tl.int64)
+    slot_id = tl.load(slot_mapping_ptr + token).to(tl.int64)
+    real_id = in_extent(request_id, num_requests)
+    bad = bad_id(request_id, num_requests) | (
+        real_id & ((chunk_start < 0) | (chunk_start > token) | bad_id(slot_id, num_blocks * block_size))
+    )
     zero = tl.zeros([BLOCK_W], dtype=tl.int64)
-    request = tl.load(token_request_ptr + token).to(tl.int64) + zero
-    is_real = request >= 0
+    request = request_id + zero
+    is_real = in_extent(request, num_requests)
     position = tl.load(token_position_ptr + token).to(tl.int64) + zero
-    first_position = position - (token - tl.load(token_chunk_start_ptr + token).to(tl.int64))
-    slot = tl.load(slot_mapping_ptr + token).to(tl.int64) + zero
+    first_position = position - (token - chunk_start)
+    slot = slot_id + zero
 
     # Offset of each channel inside one cache slot: its head, then its place in the stream's D-range.
     cache_channel = head.to(tl.int64) * stride_cache_head + (stream_offset + column).to(tl.int64) * stride_cache_dim
@@ -96,9 +112,10 @@ def _sconv_kernel(
         q = position - (KERNEL_SIZE - 1) + j
         in_step = is_real & (q >= first_position)
         in_cache = is_real & (q >= 0) & (q < first_position)
+        x_row = token - (KERNEL_SIZE - 1 - j) + zero
         from_x = tl.load(
-            x_ptr + (token - (KERNEL_SIZE - 1 - j)) * stride_x_token + x_channel,
-            mask=channel_mask & in_step,
+            x_ptr + x_row * stride_x_token + x_channel,
+            mask=channel_mask & in_step & in_extent(x_row, num_tokens),
             other=0.0,
         ).to(tl.float32)
         # Masked-off lanes still form addresses: keep them non-negative.
@@ -112,7 +129,9 @@ def _sconv_kernel(
             mask=channel_mask & in_table,
             other=-1,
         ).to(tl.int64)
-        allocated = in_table & (block >= 0)
+        block_bad = in_table & (block >= num_blocks)
+        bad = bad | (tl.max(block_bad.to(tl.int32), axis=0) > 0)
+        allocated = in_table & in_extent(block, num_blocks)
         from_cache = tl.load(
             cache_ptr + tl.maximum(block, 0) * stride_cache_block + (q_safe % block_size) * stride_cache_slot
             + cache_channel,
@@ -132,14 +151,15 @@ def _sconv_kernel(
         acc = acc + x_own.to(tl.float32)
     tl.store(y_ptr + token * stride_y_token + channel, round_fp32_to_bf16(acc).to(tl.bfloat16), mask=channel_mask)
 
-    stores = is_real & (slot >= 0)
-    slot_safe = tl.maximum(slot, 0)
+    stores = is_real & in_extent(slot, num_blocks * block_size)
+    slot_safe = tl.where(stores, slot, 0)
     tl.store(
         cache_ptr + (slot_safe // block_size) * stride_cache_block + (slot_safe % block_size) * stride_cache_slot
         + cache_channel,
         x_own,
         mask=channel_mask & stores,
     )
+    count_error(errors_ptr, bad & (head == 0) & (tl.program_id(2) == 0), HAS_ERRORS)
 
 
 def sconv_triton(
@@ -154,11 +174,13 @@ def sconv_triton(
     stream_offset: int,
     residual: bool = True,
     silu: bool = False,
+    errors: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Launch :func:`_sconv_kernel` on grid ``(T, H, cdiv(width, BLOCK_W))``; semantics of ``sconv_torch``."""
     num_tokens, num_heads, width, kernel_size, block_size = check_sconv_args(
-        x, weight, cache, block_table, token_request, token_chunk_start, slot_mapping, token_position, stream_offset
-    )
+        x, weight, cache, block_table, token_request, token_chunk_start, slot_mapping, token_position,
+        stream_offset, errors,
+    )  # fmt: skip
     channels = num_heads * width
     y = torch.empty((num_tokens, channels), dtype=x.dtype, device=x.device)
     if num_tokens == 0:
@@ -175,8 +197,12 @@ def sconv_triton(
         slot_mapping,
         token_position,
         y,
+        slot_mapping if errors is None else errors,  # any pointer when there is no counter: never touched
+        num_tokens,
         width,
         block_size,
+        cache.shape[0],
+        block_table.shape[0],
         block_table.shape[1],
         stream_offset,
         x.stride(0),
@@ -191,6 +217,7 @@ def sconv_triton(
         RESIDUAL=residual,
         SILU=silu,
         BLOCK_W=block_w,
+        HAS_ERRORS=errors is not None,
         num_warps=min(max(block_w // (32 * _CHANNELS_PER_THREAD), 1), _MAX_NUM_WARPS),
         # Separate rounding of every product and sum, as in the PyTorch kernel, so GPU and CPU agree bit
         # for bit; the kernel is memory-bound, the lost FMAs cost nothing measurable.

@@ -1,0 +1,62 @@
+"""Every op's error inputs (``samples.py``), run one generic way: the right error, and not a byte changed.
+
+Eagerly and under ``torch.compile`` the PyTorch kernel (CPU) must raise the listed error before writing
+anything: every byte of every argument's storage (the views and the guard bytes around them) is compared
+before and after. The Triton kernel (the interpreter on CPU) raises the same shape/dtype errors; for an
+error in the ids it writes nothing outside its tensors and counts the bad token in ``errors``.
+"""
+
+import pytest
+import torch
+
+from stepops.ops.bounds import error_counter
+from stepops.testing import StorageSnapshot, op_error_inputs
+
+from conftest import triton_device
+
+_CASES = list(op_error_inputs())
+
+
+def _call(case, mode):
+    sample = case.error.sample
+    op = case.entry.overload
+    if mode == "eager":
+        return op(*sample.args, **sample.kwargs)
+    torch._dynamo.reset()
+    # aot_eager: Dynamo tracing through the fake plus AOTAutograd's functionalization of the mutated
+    # arguments (where a copy-back could write), without Inductor's C++ build time.
+    compiled = torch.compile(lambda *args: op(*args, **sample.kwargs), fullgraph=True, backend="aot_eager")
+    return compiled(*sample.args)
+
+
+@pytest.mark.parametrize("mode", ["eager", "compile"])
+@pytest.mark.parametrize("case", _CASES, ids=[c.name for c in _CASES])
+def test_error_input_raises_its_error_and_changes_no_byte(case, mode):
+    error = case.error
+    snapshot = StorageSnapshot([*error.sample.args, *error.sample.kwargs.values()])
+    expected = error.error_type
+    if mode == "compile" and not error.data:
+        # A shape error is raised by the fake while Dynamo traces; Dynamo re-raises it as a
+        # TorchRuntimeError that carries the op's own message (checked by the regex).
+        expected = (expected, torch._dynamo.exc.TorchRuntimeError)
+    with pytest.raises(expected, match=error.error_regex):
+        _call(case, mode)
+    assert snapshot.changed_bytes() == 0
+
+
+@pytest.mark.parametrize("case", _CASES, ids=[c.name for c in _CASES])
+def test_error_input_on_the_triton_kernel_masks_and_counts(case):
+    sample = case.error.sample
+    device = triton_device()
+    args = [a.to(device) if isinstance(a, torch.Tensor) and device.type != "cpu" else a for a in sample.args]
+    if not case.error.data:
+        snapshot = StorageSnapshot([*args, *sample.kwargs.values()])
+        with pytest.raises(case.error.error_type, match=case.error.error_regex):
+            case.entry.triton_kernel(*args, **sample.kwargs)
+        assert snapshot.changed_bytes() == 0
+        return
+    kwargs = {"errors": error_counter(device), **sample.kwargs}
+    snapshot = StorageSnapshot([*args, *kwargs.values()])
+    case.entry.triton_kernel(*args, **kwargs)
+    assert snapshot.changed_outside_views() == 0
+    assert kwargs["errors"].tolist() == [1], "the one bad token must be counted once"
