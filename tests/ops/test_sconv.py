@@ -7,15 +7,19 @@ Multi-step behaviour (chunk and batch invariance, speculative decoding against `
 import re
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
+import triton
+import triton.language as tl
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from conftest import triton_device
 from stepops.layouts import InklingStream
 from stepops.ops.sconv import SconvMetadata, build_sconv_metadata, sconv
 from stepops.ops.sconv.samples import SAMPLE_LAYOUT, random_block_table, sample_cache, step_metadata
-from stepops.ops.sconv.triton_kernel import sconv_triton
+from stepops.ops.sconv.torch_kernel import silu_fp32
+from stepops.ops.sconv.triton_kernel import _silu, sconv_triton
 from stepops.testing import TOLERANCES, op_samples
 
 _SAMPLES = list(op_samples(op_name="sconv"))
@@ -388,13 +392,54 @@ def test_build_sconv_metadata_matches_plain_python():
 
 
 def test_build_sconv_metadata_gives_unallocated_blocks_slot_minus_one():
-    """A position past the table, or in a -1 block, is not stored: never another position's slot."""
+    """A position past the table, or in a -1 block, is not stored: never another position's slot.
+
+    Request 1's positions 1 and 2 lie in block -1: computed without the mask they would get slots
+    -1 * 4 + 1 = -3 and -2, so the test fails if a -1 block is not masked (position 3 would give -1 either
+    way and could not tell)."""
     table = torch.tensor([[3, 5], [-1, 7]], dtype=torch.int32)
-    # Request 0 at positions 7..9 (7 in block 5, 8 and 9 past the table); request 1 at 2 (block -1) and 4.
-    qsl, seq_lens = torch.tensor([0, 3, 5], dtype=torch.int32), torch.tensor([10, 5], dtype=torch.int32)
-    got = build_sconv_metadata(qsl, seq_lens, table, 4, 6)
-    assert got.token_position.tolist() == [7, 8, 9, 3, 4, -1]
-    assert got.slot_mapping.tolist() == [5 * 4 + 3, -1, -1, -1, 7 * 4 + 0, -1]
+    # Request 0 at positions 7..9 (7 in block 5, 8 and 9 past the table); request 1 at 1..4 (1..3 in block -1).
+    qsl, seq_lens = torch.tensor([0, 3, 7], dtype=torch.int32), torch.tensor([10, 5], dtype=torch.int32)
+    got = build_sconv_metadata(qsl, seq_lens, table, 4, 8)
+    assert got.token_position.tolist() == [7, 8, 9, 1, 2, 3, 4, -1]
+    assert got.slot_mapping.tolist() == [5 * 4 + 3, -1, -1, -1, -1, -1, 7 * 4 + 0, -1]
+
+
+def _silu_values() -> torch.Tensor:
+    """fp32 values across SiLU's range: both tails, around 0, and random ones."""
+    generator = torch.Generator().manual_seed(11)
+    return torch.cat([torch.linspace(-30, 30, 601), torch.randn(4000, generator=generator) * 4]).float()
+
+
+def test_silu_of_the_torch_kernel_is_the_documented_formula_bitwise_in_fp32():
+    """``silu_fp32`` against ``a / (1 + exp(-a))`` done in numpy fp32 with the same ``exp`` values: equal
+    bits. ``a * sigmoid(a)`` (two roundings) differs on these values, so that rewrite fails here."""
+    a = _silu_values()
+    e = torch.exp(-a).numpy()  # the platform's exp, the one primitive both sides share
+    want = torch.from_numpy(a.numpy() / (np.float32(1.0) + e))
+    assert torch.equal(silu_fp32(a).view(torch.int32), want.view(torch.int32))
+    assert not torch.equal((a * torch.sigmoid(a)).view(torch.int32), want.view(torch.int32))
+
+
+@triton.jit
+def _apply_silu(a_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    i = tl.arange(0, BLOCK)
+    tl.store(out_ptr + i, _silu(tl.load(a_ptr + i, mask=i < n)), mask=i < n)
+
+
+def test_silu_of_the_triton_kernel_is_the_documented_formula_bitwise_in_fp32():
+    """The Triton kernel's ``_silu`` under the interpreter (numpy's ``exp``) against the same formula in
+    numpy fp32: equal bits; ``a * sigmoid(a)`` would not be."""
+    if triton_device().type != "cpu":
+        pytest.skip("runs the interpreter's numpy exp; on a GPU the exp is the device's")
+    a = _silu_values()
+    out = torch.empty_like(a)
+    _apply_silu[(1,)](a, out, a.numel(), BLOCK=triton.next_power_of_2(a.numel()))
+    a_np = a.numpy()
+    want = torch.from_numpy(a_np / (np.float32(1.0) + np.exp(-a_np)))
+    assert torch.equal(out.view(torch.int32), want.view(torch.int32))
+    sigmoid = np.float32(1.0) / (np.float32(1.0) + np.exp(-a_np))
+    assert not torch.equal(torch.from_numpy(a_np * sigmoid).view(torch.int32), want.view(torch.int32))
 
 
 def test_build_sconv_metadata_rejects_bad_block_size_and_table():

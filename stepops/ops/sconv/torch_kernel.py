@@ -18,6 +18,12 @@ from stepops._meta.sconv import check_sconv_args
 from stepops.ops.bounds import check_ids
 
 
+def silu_fp32(a: torch.Tensor) -> torch.Tensor:
+    """``a / (1 + exp(-a))`` in fp32: one rounded ``exp``, add and IEEE division (not ``a * sigmoid(a)``,
+    whose extra rounding changes fp32 bits); the Triton kernel's ``_silu`` is the same formula."""
+    return a / (1.0 + torch.exp(-a))
+
+
 def sconv_torch(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -112,7 +118,7 @@ def sconv_torch(
         tap = torch.where(in_step[:, None], from_x, torch.where(in_cache[:, None], from_cache, 0.0))
         acc = acc + weight_f32[:, j] * tap
     if silu:
-        acc = acc / (1.0 + torch.exp(-acc))
+        acc = silu_fp32(acc)
     if residual:
         acc = acc + x_f32
     y = torch.where(is_real[:, None], acc, 0.0).to(x.dtype)
