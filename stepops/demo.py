@@ -14,8 +14,11 @@ is Inkling's).
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 import os
+import re
 import sys
 import tempfile
 import threading
@@ -160,8 +163,6 @@ def _tp_rank(rank: int, tp_size: int, make, device_type: str, backend: str, work
 
 def _run_tensor_parallel(make, tp: int, dev: torch.device, backend: str) -> dict[str, dict]:
     """Spawn ``tp`` ranks of ``make()`` sharded; merge their rows (worst error, most graph breaks)."""
-    if dev.type == "cuda" and torch.cuda.device_count() < tp:
-        raise ValueError(f"--tp {tp} on CUDA needs {tp} GPUs (NCCL: one per rank), found {torch.cuda.device_count()}")
     comm = "nccl" if dev.type == "cuda" else "gloo"
     _say(f"  {tp} ranks ({comm}), one process each; every rank checked against the unsharded recompute")
     with tempfile.TemporaryDirectory(prefix="stepops-demo-tp-") as out_dir:
@@ -181,14 +182,49 @@ def _run_tensor_parallel(make, tp: int, dev: torch.device, backend: str) -> dict
     return rows
 
 
+def check_demo_args(*, device: str, backend: str, tp: int, json_path: str | None) -> torch.device:
+    """Check the demo's arguments before any work; ``ValueError`` with a one-line reason. Returns the device.
+
+    The device must exist in this torch build, the backend be a registered ``torch.compile`` backend,
+    ``tp`` split the Inkling stack's KV heads into whole heads per rank and not exceed the GPUs (NCCL: one
+    per rank) or CPU cores (gloo) present, and ``json_path`` be a writable file path (checked first, so
+    minutes of results are never lost at the end).
+    """
+    if device != "auto" and not re.fullmatch(r"cpu|cuda(:\d+)?", str(device)):
+        raise ValueError(f"--device must be auto, cpu or cuda, got {device!r}")
+    if str(device).startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"--device {device}: this torch build sees no CUDA device; use --device cpu or auto")
+    dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else ("cpu" if device == "auto" else device))
+    backends = torch._dynamo.list_backends(exclude_tags=())
+    if backend not in backends:
+        raise ValueError(f"--backend {backend!r} is not a torch.compile backend; e.g. inductor, aot_eager or eager")
+    if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+        raise ValueError(f"--tp must be an int >= 1, got {tp!r}")
+    # Every layer kind's KV heads (global and, where the config has them, sliding-window) must split.
+    config = InklingConfig()
+    heads = math.gcd(*(getattr(config, f.name) for f in dataclasses.fields(config) if f.name.endswith("num_kv_heads")))
+    if heads % tp:
+        raise ValueError(
+            f"--tp {tp}: the demo's Inkling stack has {heads} KV heads per layer, which do not split into {tp} "
+            f"ranks of whole heads; use a divisor of {heads}"
+        )
+    available, what = (torch.cuda.device_count(), "GPUs") if dev.type == "cuda" else (os.cpu_count() or 1, "CPU cores")
+    if tp > available:
+        raise ValueError(f"--tp {tp} needs one {what[:-1]} per rank; this machine has {available} {what}")
+    if json_path is not None:
+        directory = os.path.dirname(os.path.abspath(json_path))
+        if os.path.isdir(json_path) or not os.path.isdir(directory) or not os.access(directory, os.W_OK):
+            raise ValueError(f"--json {json_path}: not a writable file path (its directory must exist and be writable)")
+    return dev
+
+
 def run_demo(*, json_path: str | None = None, device: str = "auto", backend: str = "inductor", tp: int = 1) -> int:
     """Run the demo; print the table; write ``json_path``; return 0 when every check passed, else 1.
 
     ``tp > 1`` runs the Inkling stack on ``tp`` spawned ranks (eager and compiled; no CUDA-graph mode).
+    Arguments are checked first (:func:`check_demo_args`, ``ValueError``).
     """
-    if not isinstance(tp, int) or tp < 1:
-        raise ValueError(f"tp must be a positive int, got {tp!r}")
-    dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else ("cpu" if device == "auto" else device))
+    dev = check_demo_args(device=device, backend=backend, tp=tp, json_path=json_path)
     modes = [EAGER, COMPILED] + ([CUDA_GRAPH] if dev.type == "cuda" else [])
     w = WORKLOAD
     _say(

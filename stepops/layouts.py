@@ -55,8 +55,9 @@ class CSATailRingLayout:
     As a KV cache spec the ring declares the main layer's ``block_size``, one KV head and
     ``head_size = page_bytes // (block_size * 2)`` bf16 elements per token, which reproduces the page size.
 
-    Raises ``ValueError`` (the seed's message) when the page is not a whole number of rows or holds fewer
-    than ``7 + k`` rows, and when the page is not a whole number of bf16 elements per token.
+    Raises ``ValueError``: the seed's message when the page holds fewer than ``7 + k`` whole rows; its own
+    when the page has enough rows but is not a whole number of them, or is not a whole number of bf16
+    elements per token.
     """
 
     page_bytes: int
@@ -71,11 +72,18 @@ class CSATailRingLayout:
         _check_int("row_bytes", self.row_bytes, 1)
         if self.row_bytes % _BF16_BYTES:
             raise ValueError(f"row_bytes must be a whole number of bf16 elements, got {self.row_bytes}")
-        if self.page_bytes % self.row_bytes or self.page_bytes // self.row_bytes < self.required_rows:
+        if self.page_bytes // self.row_bytes < self.required_rows:
             raise ValueError(
                 f"Step5 CSA tail ring needs {self.required_rows} rows of "
                 f"{self.row_bytes} bytes in one {self.page_bytes}-byte KV page; "
                 "increase --block-size."
+            )
+        if self.page_bytes % self.row_bytes:
+            # Enough rows, but a partial one: "increase" would be wrong advice (a smaller block may fit).
+            raise ValueError(
+                f"Step5 CSA tail ring: a {self.page_bytes}-byte KV page is not a whole number of "
+                f"{self.row_bytes}-byte rows ({self.page_bytes / self.row_bytes:g}); the page must be a multiple of "
+                f"{self.row_bytes} bytes (choose the block size accordingly)"
             )
         if self.page_bytes % (self.block_size * _BF16_BYTES):
             # The ring's spec would describe a smaller page than the main layer's and break page unification.

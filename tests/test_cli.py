@@ -101,22 +101,26 @@ def test_step5_page_bytes_option(capsys):
     assert _row(out, "smallest block size").startswith("32 ")
 
 
-def test_step5_partial_rows_exit_with_the_seed_message(capsys):
+def test_step5_partial_rows_exit_naming_the_partial_row(capsys):
     assert main(["layout", "step5", "--page-bytes", "10752", "--block-size", "16"]) == 1
     captured = capsys.readouterr()
     assert captured.out == ""
     first, second = captured.err.splitlines()
-    assert first == "Step5 CSA tail ring needs 10 rows of 1024 bytes in one 10752-byte KV page; increase --block-size."
+    assert first == (
+        "Step5 CSA tail ring: a 10752-byte KV page is not a whole number of 1024-byte rows (10.5); the page "
+        "must be a multiple of 1024 bytes (choose the block size accordingly)"
+    )
     # 10752 / 16 = 672 B per token = 21 * 32: whole 1024-byte rows only at multiples of 32 tokens (21 rows).
     assert second == "smallest block size that fits at 672 B per token: 32 (page 21504 B, capacity 21 rows)"
 
 
 def test_step5_no_block_size_fits(capsys):
     # 10000 / 16 = 625 B per token, an odd number of bytes: no block size splits the page into whole bf16
-    # elements per token (the ring spec's head_size), so no candidate fits.
+    # elements per token (the ring spec's head_size), so no candidate fits. The user passed --page-bytes,
+    # so that is the flag the message names.
     assert main(["layout", "step5", "--page-bytes", "10000", "--block-size", "16"]) == 1
     first, second = capsys.readouterr().err.splitlines()
-    assert first == "Step5 CSA tail ring needs 10 rows of 1024 bytes in one 10000-byte KV page; increase --block-size."
+    assert first == "Step5 CSA tail ring needs 10 rows of 1024 bytes in one 10000-byte KV page; increase --page-bytes."
     assert second == "smallest block size that fits at 625 B per token: none among multiples of 16 up to 4096"
 
 
@@ -149,3 +153,80 @@ def test_unknown_command_is_a_usage_error(capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["no-such-command"])
     assert exit_.value.code == 2
+
+
+def test_step5_block_size_whose_page_is_partial_rows_names_the_cause(capsys):
+    # 20 tokens x 1152 B = 23040 B = 22.5 rows: enough rows, but not whole ones; 16 tokens fit.
+    assert main(["layout", "step5", "--block-size", "20"]) == 1
+    first, second = capsys.readouterr().err.splitlines()
+    assert "not a whole number of 1024-byte rows (22.5)" in first and "increase" not in first
+    assert second == "smallest block size that fits at 1152 B per token: 16 (page 18432 B, capacity 18 rows)"
+
+
+def test_step5_page_bytes_too_small_names_page_bytes_and_prints_no_block_size_line(capsys):
+    # 100 B over 64 tokens is no whole per-token size: there is no block-size line to print.
+    assert main(["layout", "step5", "--page-bytes", "100"]) == 1
+    captured = capsys.readouterr()
+    assert captured.err == "Step5 CSA tail ring needs 10 rows of 1024 bytes in one 100-byte KV page; increase --page-bytes.\n"
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["step5", "--block-size", "0"], "--block-size must be >= 1, got 0"),
+        (["step5", "--block-size", "-16"], "--block-size must be >= 1, got -16"),
+        (["step5", "--page-bytes", "-5"], "--page-bytes must be >= 1, got -5"),
+        (["step5", "--num-speculative-tokens", "-1"], "--num-speculative-tokens must be >= 0, got -1"),
+        (["step5", "--head-size-v", "-1"], "--head-size-v must be >= 0, got -1"),
+        (["inkling", "--tp-size", "0"], "--tp-size must be >= 1, got 0"),
+        (["inkling", "--block-size", "-4"], "--block-size must be >= 1, got -4"),
+    ],
+)
+def test_layout_values_below_their_minimum_are_one_line(capsys, args, message):
+    assert main(["layout", *args]) == 1
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err == message + "\n"
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--device", "tpu"], "--device must be auto, cpu or cuda, got 'tpu'"),
+        (["--backend", "no-such-backend"], "--backend 'no-such-backend' is not a torch.compile backend"),
+        (["--tp", "0"], "--tp must be an int >= 1, got 0"),
+        (["--tp", "3"], "--tp 3: the demo's Inkling stack has 2 KV heads per layer, which do not split into 3"),
+        (["--json", "/no/such/dir/out.json"], "--json /no/such/dir/out.json: not a writable file path"),
+    ],
+)
+def test_demo_bad_arguments_are_one_line_before_any_work(capsys, monkeypatch, args, message):
+    import stepops.demo
+
+    def no_work(**kwargs):
+        raise AssertionError("the demo ran with a bad argument")
+
+    monkeypatch.setattr(stepops.demo, "run_demo", no_work)
+    assert main(["demo", *args]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.startswith(f"stepops demo: {message}") and captured.err.count("\n") == 1
+
+
+def test_demo_cuda_without_a_gpu_is_one_line(capsys, monkeypatch):
+    import stepops.demo
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(stepops.demo, "run_demo", lambda **kwargs: 0)
+    assert main(["demo", "--device", "cuda"]) == 2
+    assert capsys.readouterr().err == "stepops demo: --device cuda: this torch build sees no CUDA device; use --device cpu or auto\n"
+
+
+def test_demo_tp_above_the_cpu_cores_is_one_line(capsys, monkeypatch):
+    import os
+
+    import stepops.demo
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 1)
+    monkeypatch.setattr(stepops.demo, "run_demo", lambda **kwargs: 0)
+    assert main(["demo", "--tp", "2", "--device", "cpu"]) == 2
+    assert capsys.readouterr().err == "stepops demo: --tp 2 needs one CPU core per rank; this machine has 1 CPU cores\n"

@@ -52,11 +52,19 @@ def test_ring_rejects_too_few_rows_with_the_seed_message():
     assert str(error.value) == _seed_message(9, 8192)
 
 
-def test_ring_rejects_a_page_of_partial_rows_with_the_seed_message():
-    # 10 KB + 512 B holds 10 whole rows, enough for k = 3, but is not a whole number of rows.
+def test_ring_rejects_a_page_of_partial_rows_naming_the_cause():
+    # 10 KB + 512 B holds 10 whole rows, enough for k = 3, but is not a whole number of rows: the seed's
+    # "increase --block-size" would be wrong advice there, so the message names the partial row.
     with pytest.raises(ValueError) as error:
         CSATailRingLayout(page_bytes=10752, block_size=16, num_speculative_tokens=3)
-    assert str(error.value) == _seed_message(10, 10752)
+    assert str(error.value) == (
+        "Step5 CSA tail ring: a 10752-byte KV page is not a whole number of 1024-byte rows (10.5); the page "
+        "must be a multiple of 1024 bytes (choose the block size accordingly)"
+    )
+    # Too few whole rows as well: the seed's message.
+    with pytest.raises(ValueError) as error:
+        CSATailRingLayout(page_bytes=9728, block_size=16, num_speculative_tokens=3)
+    assert str(error.value) == _seed_message(10, 9728)
 
 
 def test_ring_fits_exactly_at_seven_plus_k_rows():

@@ -31,8 +31,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from stepops.demo import run_demo  # imports torch.compile machinery only when the demo runs
+    import sys
 
-    if args.tp < 1:
-        raise SystemExit(f"--tp must be >= 1, got {args.tp}")
+    from stepops.demo import check_demo_args, run_demo  # imports torch.compile machinery only when it runs
+
+    try:  # before any work: a bad argument is one line on stderr, not a traceback minutes later
+        check_demo_args(device=args.device, backend=args.backend, tp=args.tp, json_path=args.json)
+    except ValueError as error:
+        print(f"stepops demo: {error}", file=sys.stderr)
+        return 2
     return run_demo(json_path=args.json, device=args.device, backend=args.backend, tp=args.tp)

@@ -2,9 +2,10 @@
 
 Without a model, prints both layouts with their defaults. The defaults are illustrative model numbers
 (an MLA-style Step5 main layer, a Llama-8B-shaped Inkling layer), not published configurations: pass
-your model's numbers. When the layout does not fit, prints the layout's error text to stderr (the seed's,
-exactly, as the first line), then, for the CSA ring with a known per-token size, the smallest block size
-that fits, and exits 1.
+your model's numbers. A flag below its minimum is one line on stderr, exit 1. When the layout does not
+fit, prints the layout's error text to stderr (the seed's, exactly, as the first line; with
+``--page-bytes`` it names that flag instead of ``--block-size``), then, for the CSA ring with a known
+per-token size, the smallest block size that fits, and exits 1.
 """
 
 from __future__ import annotations
@@ -94,8 +95,26 @@ def _run_both(args: argparse.Namespace) -> int:
     return status or _run_inkling(args._defaults["inkling"])
 
 
+def _check_flags(args: argparse.Namespace, minimums: dict[str, int]) -> str | None:
+    """The first flag below its minimum, as the one line to print; checked before any layout arithmetic, so
+    no line about block sizes follows a nonsense value."""
+    for name, minimum in minimums.items():
+        value = getattr(args, name)
+        if value is not None and value < minimum:
+            return f"--{name.replace('_', '-')} must be >= {minimum}, got {value}"
+    return None
+
+
 def _run_step5(args: argparse.Namespace) -> int:
     k = args.num_speculative_tokens
+    bad = _check_flags(
+        args,
+        {"block_size": 1, "num_kv_heads": 1, "head_size": 1, "head_size_v": 0, "page_bytes": 1,
+         "num_speculative_tokens": 0},
+    )  # fmt: skip
+    if bad:
+        print(bad, file=sys.stderr)
+        return 1
     try:
         if args.page_bytes is None:
             dtype = getattr(torch, args.dtype)
@@ -125,7 +144,10 @@ def _run_step5(args: argparse.Namespace) -> int:
     try:
         layout = CSATailRingLayout(page_bytes=page_bytes, block_size=args.block_size, num_speculative_tokens=k)
     except (ValueError, TypeError) as error:
-        print(error, file=sys.stderr)  # the layout's (the seed's) text, exactly, as the first line
+        message = str(error)  # the layout's (the seed's) text, exactly, as the first line...
+        if args.page_bytes is not None:  # ...naming the flag the user actually passed
+            message = message.replace("increase --block-size.", "increase --page-bytes.")
+        print(message, file=sys.stderr)
         if isinstance(error, ValueError) and per_token is not None:
             print(f"smallest block size that fits at {per_token} B per token: {_smallest_block_size(per_token, k)}",
                   file=sys.stderr)
@@ -161,6 +183,12 @@ def _smallest_block_size(per_token: int, k: int) -> str:
 
 
 def _run_inkling(args: argparse.Namespace) -> int:
+    bad = _check_flags(
+        args, {"num_kv_heads": 1, "head_dim": 1, "hidden_size": 1, "kernel_size": 1, "tp_size": 1, "block_size": 1}
+    )
+    if bad:
+        print(bad, file=sys.stderr)
+        return 1
     try:
         layout = InklingConvStateLayout(
             num_kv_heads=args.num_kv_heads,
