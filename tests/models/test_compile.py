@@ -209,8 +209,10 @@ def _written_graph_inputs(code: str) -> list[str]:
         schema = getattr(getattr(torch.ops.stepops, name), overload)._schema
         args = _split_arguments(arguments)
         for position, argument in enumerate(schema.arguments):
-            if argument.alias_info is not None and argument.alias_info.is_write:
-                written.append(re.sub(r"^reinterpret_tensor\((\w+),.*\)$", r"\1", args[position]))
+            # An optional written argument left out (the ops' errors counter) is passed as None or not at all.
+            if argument.alias_info is not None and argument.alias_info.is_write and position < len(args):
+                if args[position] not in ("None", f"{argument.name}=None"):
+                    written.append(re.sub(r"^reinterpret_tensor\((\w+),.*\)$", r"\1", args[position]))
     return written
 
 
@@ -275,7 +277,28 @@ def test_inductor_runs_in_place_and_equals_eager(model_cls, config):
     tol = TOLERANCES["model_vs_recompute"]
     torch.testing.assert_close(got, want, atol=tol.atol, rtol=tol.rtol)
     for a, b in zip(model.cache_tensors(), eager_model.cache_tensors()):
-        torch.testing.assert_close(a, b, atol=tol.atol, rtol=tol.rtol)
+        _assert_cache_within_one_row_ulp(a, b)
+
+
+def _assert_cache_within_one_row_ulp(got: torch.Tensor, want: torch.Tensor) -> None:
+    """A compiled run's cache against eager's, on CPU: a bound measured, not the GPU's atol 0.125.
+
+    The caches hold what the layers computed (projections, conv inputs, summaries), so an ulp that
+    Inductor's fused sums move shows up there. Measured (seeds 0-3, both configurations of the test):
+    at most 2.5% of bf16 elements differ, each by at most one bf16 ulp of its row's largest magnitude
+    (a row: the last dim, one token's slot); fp8 summary codes at most 1 apart (1 of 12288 once). Bound:
+    exactly that, with the fraction at 5%; a cache that was not written, or written from the wrong step,
+    is O(1) off and fails.
+    """
+    if want.dtype == torch.uint8:  # fp8 e4m3fn codes; adjacent codes are adjacent values for one sign
+        assert int((got.int() - want.int()).abs().max()) <= 1
+        return
+    got, want = got.float(), want.float()
+    row_max = torch.maximum(got.abs(), want.abs()).amax(-1, keepdim=True).clamp(min=2**-126)
+    ulp = torch.exp2(torch.floor(torch.log2(row_max)) - 7)  # bf16: 8 significant bits
+    assert bool(((got - want).abs() <= ulp).all()), "a cache element differs by more than one row ulp"
+    assert float((got != want).float().mean()) <= 0.05
+
 
 
 def _getitem_through_the_dispatcher(self, index):
