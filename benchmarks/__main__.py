@@ -1,6 +1,7 @@
 """``python -m benchmarks``: every stepops op (and decoder layer step) against its byte floor and baselines.
 
     python -m benchmarks [--quick] [--json PATH] [--ops NAME ...] [--layers | --no-layers]
+                         [--attention | --no-attention]
     python -m benchmarks static          # the GPU-build table (registers, spills, load widths) + bytes/launch
 
 Run from the repository root, or from anywhere as ``python path/to/benchmarks ...``. Results go to
@@ -38,6 +39,10 @@ def _parser() -> argparse.ArgumentParser:
     layers = parser.add_mutually_exclusive_group()
     layers.add_argument("--layers", action="store_true", help="time decoder layer steps also with --quick")
     layers.add_argument("--no-layers", action="store_true", help="skip the decoder layer steps")
+    attention = parser.add_mutually_exclusive_group()
+    attention.add_argument("--attention", action="store_true",
+                           help="layer attention (dense gather vs paged) at 1k-16k contexts also with --quick")
+    attention.add_argument("--no-attention", action="store_true", help="skip the layer-attention case")
     parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     parser.add_argument("--threads", type=int, default=1,
                         help="CPU threads (default 1: on a shared machine more threads stall in OpenMP barriers)")
@@ -77,6 +82,12 @@ def main(argv: list[str] | None = None) -> int:
 
         report["layers"] = run_layers(settings, _log)
         print(format_layers(report["layers"]), flush=True)
+    # Six compiles and a 0.5 s dense step at 16k: ~30 s on a 2-core CPU, off in --quick unless asked for.
+    if args.attention or not (args.no_attention or args.quick or args.tiny):
+        from benchmarks.bench_attention import format_attention, run_attention
+
+        report["attention"] = run_attention(settings, _log)
+        print(format_attention(report["attention"]), flush=True)
     report["wall_s"] = time.perf_counter() - started
     harness.save(report, args.json, _log)
     failed = [f"{r['op']}/{c['name']}/{p}" for r in report["ops"] for c in r["cases"]

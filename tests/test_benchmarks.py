@@ -96,3 +96,22 @@ def test_a_wrong_baseline_is_refused(op):
     got = harness.state_after(entry.overload, wrong, module.build(case, torch.device("cpu")))
     with pytest.raises(AssertionError, match="differs from the stepops op|outside its tolerance"):
         harness.check_equal(op, "naive", got, want, getattr(module, "TOLERANCES", {}))
+
+
+def test_attention_case_reports_memory_and_time_per_byte():
+    """The layer-attention case at 1k and 2k contexts (the real run goes to 16k): both providers, every field,
+    the paged path agrees with the dense one, and its transient memory stays flat (1k is one chunk, 2k
+    two) while the dense path's doubles."""
+    from benchmarks.bench_attention import format_attention, run_attention
+
+    settings = harness.Settings(device=torch.device("cpu"), quick=True, compile_backend="aot_eager", min_run_time=0.01)
+    results = run_attention(settings, lambda message: None, contexts=(1024, 2048))
+    rows = {(r["provider"], r["context"]): r for r in results["rows"]}
+    assert set(rows) == {(p, c) for p in ("dense", "paged") for c in (1024, 2048)}
+    assert all(r["compiled_us"] > 0 and r["peak_eager_mib"] > 0 and r["us_per_kv_mib"] > 0 for r in rows.values())
+    # bf16 outputs of magnitude < 1, softmax summed in another order: at most one bf16 ulp (2**-7 at 1) apart.
+    assert rows["paged", 2048]["max_abs_diff_vs_dense"] <= 2**-7
+    growth = results["growth_1024_to_2048"]
+    assert growth["dense"]["peak_eager"] > 1.8 and growth["dense"]["peak_compiled"] > 1.8
+    assert growth["paged"]["peak_eager"] < 1.1 and growth["paged"]["peak_compiled"] < 1.1
+    assert "paged 1024_to_2048" in format_attention(results)

@@ -184,7 +184,7 @@ def paged_attention(
     q = query.float()[tiles.token.clamp(min=0)]  # [tiles, Qt, Hq, D]
     q = q.view(num_tiles, query_tile, num_kv_heads, group, head_size).permute(0, 2, 3, 1, 4)
     q = q.reshape(num_tiles, num_kv_heads, group * query_tile, head_size)
-    q_position = tiles.position[:, None, :]  # [tiles, 1, Qt]
+    q_position = tiles.position[:, :, None]  # [tiles, Qt, 1]
     if sliding_window is None:
         first_column = torch.zeros(num_tiles, dtype=torch.int64, device=device)
         num_columns = max_blocks
@@ -197,22 +197,31 @@ def paged_attention(
     state = _softmax_start((num_tiles, num_kv_heads, group * query_tile), value_size, device)
     for start in range(0, num_columns, columns_per_chunk):
         width = min(columns_per_chunk, num_columns - start)
-        column = first_column[:, None] + start + torch.arange(width, device=device)  # [tiles, C]
+        # ``after`` is an exact 0 (|x| < 0 is false even for NaN) that depends on the previous chunk's whole
+        # fold, values included: it orders the chunks for a compiler, which may otherwise gather every chunk
+        # before folding any. Measured (benchmarks/bench_attention.py, 16k-token contexts): Inductor's CPU
+        # code fused the chunks' gathers horizontally, compiled peak 80 MiB without it, 9 MiB with it.
+        after = (state.acc[:1, :1, :1, :1].abs() < 0).long().view(1, 1)
+        column = first_column[:, None] + start + torch.arange(width, device=device) + after  # [tiles, C]
         block = table.gather(1, column.clamp(max=max_blocks - 1))
         live = (column < max_blocks) & (block >= 0)
-        rows = kv_cache[block.clamp(min=0)].flatten(1, 2)  # [tiles, C * N, Hkv, D + Dv]
+        block = block.clamp(min=0)
         k_position = (column[:, :, None] * block_size + torch.arange(block_size, device=device)).flatten(1)
-        distance = q_position.transpose(1, 2) - k_position[:, None, :]  # [tiles, Qt, C * N]
-        allowed = live.repeat_interleave(block_size, 1)[:, None, :] & (distance >= 0) & (q_position.transpose(1, 2) >= 0)
+        distance = q_position - k_position[:, None, :]  # [tiles, Qt, C * N]
+        allowed = live.repeat_interleave(block_size, 1)[:, None, :] & (distance >= 0) & (q_position >= 0)
         if sliding_window is not None:
             allowed = allowed & (distance < sliding_window)
-        scores = (q @ rows[..., :head_size].float().permute(0, 2, 3, 1)) * scale  # [tiles, Hkv, G * Qt, C * N]
+        # K and V gathered apart, each straight into its fp32 operand: gathering [K | V] rows once made
+        # Inductor keep a bf16 copy of the chunk beside them (compiled peak 17 MiB instead of 9 at 4k+).
+        key = kv_cache[..., :head_size][block].flatten(1, 2)  # [tiles, C * N, Hkv, D]
+        scores = (q @ key.float().permute(0, 2, 3, 1)) * scale  # [tiles, Hkv, G * Qt, C * N]
         scores = scores.view(num_tiles, num_kv_heads, group, query_tile, -1)
         if distance_bias is not None:
             bias = _distance_bias(distance_bias, tiles.token.clamp(min=0), distance)  # [tiles, Qt, Hq, C * N]
             scores = scores + bias.view(num_tiles, query_tile, num_kv_heads, group, -1).permute(0, 2, 3, 1, 4)
         scores = scores.masked_fill(~allowed[:, None, None], float("-inf")).flatten(2, 3)
-        state = _softmax_fold(state, scores, rows[..., head_size:].float().transpose(1, 2))
+        value = kv_cache[..., head_size:][block].flatten(1, 2)  # [tiles, C * N, Hkv, Dv]
+        state = _softmax_fold(state, scores, value.float().transpose(1, 2))
     out = _softmax_finish(state).view(num_tiles, num_kv_heads, group, query_tile, value_size)
     out = out.permute(0, 3, 1, 2, 4).reshape(num_tiles * query_tile, num_heads, value_size)
     out = torch.where((tiles.flat_slot >= 0)[:, None, None], out[tiles.flat_slot.clamp(min=0)], 0.0)
