@@ -3,7 +3,8 @@ metadata builder, the Triton kernel bitwise, and the docs example.
 
 Multi-step behaviour (chunk invariance, speculative decoding) is in ``test_csa_ring_update_steps.py``.
 The reference fold here is written with numpy, independently of the kernels: the formula the op documents
-(rows 0..7 in order, fp32 running max/sum/accumulator, ``exp`` in fp64 rounded to fp32, ``a / s``).
+(rows 0..7 in order, fp32 running max/sum/accumulator, two ``exp`` per step with the numpy ``exp`` of
+``test_csa_ring_update_exp.py``, ``a / s``).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from conftest import triton_device
+from test_csa_ring_update_exp import numpy_exp
 from stepops.ops.csa_ring_update import CSARingMetadata, build_csa_ring_metadata, csa_ring_update
 from stepops.ops.csa_ring_update.samples import SUMMARY_BLOCK_SIZE, make_step
 from stepops.ops.csa_ring_update.triton_kernel import csa_ring_update_triton
@@ -38,8 +40,8 @@ def reference_summary(k_rows: torch.Tensor, z_rows: torch.Tensor, dtype: torch.d
     m, s, a = z[0].copy(), np.ones_like(z[0]), k[0].copy()
     for j in range(1, 8):
         m_new = np.maximum(m, z[j])
-        alpha = np.exp((m - m_new).astype(np.float64)).astype(np.float32)
-        beta = np.exp((z[j] - m_new).astype(np.float64)).astype(np.float32)
+        alpha = numpy_exp(m - m_new)
+        beta = numpy_exp(z[j] - m_new)
         s = s * alpha + beta
         a = a * alpha + beta * k[j]
         m = m_new
@@ -190,9 +192,8 @@ def test_trap_verify_step_whose_first_token_closes_with_capacity_7_plus_k(summar
 
 @pytest.mark.parametrize("sample", _SAMPLES, ids=[s.name for s in _SAMPLES])
 def test_triton_kernel_matches_torch_kernel_bitwise(sample):
-    """Same bits everywhere. The fold's only non-IEEE operation is exp, done in fp64 and rounded to fp32 by
-    both kernels, so numpy's exp (the interpreter) and torch's agree unless an fp32 rounding boundary lies
-    within 1 fp64 ulp of the result (probability ~2**-29 per value, never seen on these samples)."""
+    """Same bits everywhere: both kernels fold with the same IEEE fp32 operations in the same order, the
+    exp included (test_csa_ring_update_exp.py)."""
     op, args, kwargs = sample
     cloned = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
     op(*args, **kwargs)

@@ -1,11 +1,11 @@
 """PyTorch kernel of ``stepops::csa_ring_update``: the readable specification (and the CPU kernel).
 
 The Triton kernel must give the same bits. Both fold a region's rows with the same IEEE fp32 operations in
-the same order; only ``exp`` has no bitwise-portable fp32 implementation (SLEEF, glibc, numpy and CUDA each
-round differently, and ATen even switches between SLEEF and the scalar libm for the tail of a tensor, so a
-row's bits would depend on how many tokens share the call). ``exp`` is therefore evaluated in fp64 and
-rounded to fp32: every libm's fp64 ``exp`` is within 1 fp64 ulp, which rounds to the same fp32 value except
-when the exact result lies within 2**-29 relative of an fp32 rounding boundary.
+the same order. ``exp`` is no exception: library ``exp``s have no bitwise-portable fp32 result (SLEEF,
+glibc, numpy and CUDA each round differently, and ATen even switches between SLEEF and the scalar libm for
+the tail of a tensor, so a row's bits would depend on how many tokens share the call). :func:`exp_fp32` is
+therefore written out with fp32 ``+``, ``*``, ``floor`` and exponent bits only, each of which rounds the
+same way on every IEEE machine, and the Triton kernel spells the same operations in the same order.
 """
 
 from __future__ import annotations
@@ -14,10 +14,42 @@ import torch
 
 from stepops._meta.csa_ring_update import FP8_E4M3_MAX, REGION_SIZE, check_csa_ring_update_args
 
+# exp_fp32's constants, each exactly an fp32 value (written in hex), so that every implementation uses the
+# same number whatever precision it converts a Python float in. Cody-Waite reduction and the Cephes expf
+# polynomial (S. L. Moshier, Cephes Math Library): x = n ln2 + r, |r| <= ln2 / 2, exp(r) ~ 1 + r + r^2 P(r).
+EXP_LOG2E = float.fromhex("0x1.715476p+0")  # log2(e)
+# ln2 in two parts: LN2_HI has 9 significant bits, so n * LN2_HI (|n| <= 126) and x - n * LN2_HI are exact.
+EXP_LN2_HI = float.fromhex("0x1.63p-1")  # 0.693359375
+EXP_LN2_LO = float.fromhex("-0x1.bd0106p-13")  # ln2 - LN2_HI
+EXP_POLY = tuple(
+    float.fromhex(c)  # P(r), highest degree first; within ~1 fp32 ulp of exp on [-ln2/2, ln2/2]
+    for c in ("0x1.a0d2cep-13", "0x1.6e879cp-10", "0x1.111210p-7", "0x1.555382p-5", "0x1.555554p-3", "0x1p-1")
+)
+# Below this exp_fp32 returns 0: exp(-87) = 1.6e-38 is still a normal fp32 number (>= 2**-126), so no
+# operation ever sees a denormal, whose flushing differs between devices. A row that far below the
+# region's maximum weighs less than 2**-125 of it.
+EXP_MIN = -87.0
+# 2**n is built from its exponent bits: (n + 127) << 23.
+FP32_EXPONENT_BIAS = 127
+FP32_MANTISSA_BITS = 23
+
 
 def exp_fp32(x: torch.Tensor) -> torch.Tensor:
-    """``exp`` of an fp32 tensor, computed in fp64 and rounded once to fp32 (see the module docstring)."""
-    return torch.exp(x.to(torch.float64)).to(torch.float32)
+    """``exp`` of an fp32 tensor ``x <= 0`` (the fold's only case), within 1 fp32 ulp, 0 below ``EXP_MIN``.
+
+    ``n = floor(x log2e + 1/2)``, ``r = (x - n LN2_HI) - n LN2_LO``, ``exp(x) = 2**n (P(r) r^2 + r + 1)``,
+    every step one fp32 rounding (no fused multiply-add). NaN gives 0. The Triton kernel's ``exp_fp32``
+    is the same sequence of operations.
+    """
+    xc = x.clamp(min=EXP_MIN)  # keeps n in the exponent's range; those x are masked to 0 below
+    n = torch.floor(xc * EXP_LOG2E + 0.5)
+    r = (xc - n * EXP_LN2_HI) - n * EXP_LN2_LO
+    p = r * EXP_POLY[0] + EXP_POLY[1]
+    for c in EXP_POLY[2:]:
+        p = p * r + c
+    y = (p * (r * r) + r) + 1.0
+    scale = ((n.to(torch.int32) + FP32_EXPONENT_BIAS) << FP32_MANTISSA_BITS).view(torch.float32)
+    return torch.where(x >= EXP_MIN, y * scale, 0.0)
 
 
 def fold_region(k_rows: torch.Tensor, z_rows: torch.Tensor) -> torch.Tensor:
@@ -25,7 +57,9 @@ def fold_region(k_rows: torch.Tensor, z_rows: torch.Tensor) -> torch.Tensor:
 
     Row 0 starts the state (``m = z0, s = 1, a = k0``); rows 1..7 are folded in order:
     ``m' = max(m, z); s = s * exp(m - m') + exp(z - m'); a = a * exp(m - m') + exp(z - m') * k``.
-    The summary is ``a / s`` = ``sum_t softmax(z)_t k_t``.
+    One of the two factors is ``exp(0) = 1`` (``m' `` is ``m`` or ``z``), so each step computes one
+    ``e = exp(min(m, z) - m')`` and multiplies by 1 exactly where the other would be: the same bits as two
+    ``exp`` calls. The summary is ``a / s`` = ``sum_t softmax(z)_t k_t``.
     """
     m = z_rows[..., 0, :]
     s = torch.ones_like(m)
@@ -33,8 +67,10 @@ def fold_region(k_rows: torch.Tensor, z_rows: torch.Tensor) -> torch.Tensor:
     for j in range(1, REGION_SIZE):
         z, k = z_rows[..., j, :], k_rows[..., j, :]
         m_new = torch.maximum(m, z)
-        alpha = exp_fp32(m - m_new)
-        beta = exp_fp32(z - m_new)
+        e = exp_fp32(torch.minimum(m, z) - m_new)
+        grew = z > m  # the running max moves to z: the state is rescaled by e, the new row weighs 1
+        alpha = torch.where(grew, e, 1.0)
+        beta = torch.where(grew, 1.0, e)
         s = s * alpha + beta
         a = a * alpha + beta * k
         m = m_new
