@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch._dynamo.utils import counters
 
 from stepops.models import InklingConfig, InklingModel, Step5Config, Step5Model
-from stepops.models.reference import compare_with_recompute
+from stepops.testing.recompute import compare_with_recompute
 from stepops.models.runner import COMPILED, CUDA_GRAPH, EAGER, StepRunner, Workload, run_workload
 from stepops.models.tensor_parallel import shard_inkling_state_dict, spawn_ranks
 from stepops.testing.tolerances import TOLERANCES

@@ -7,7 +7,9 @@
   state-dict slicer :func:`~stepops.models.tensor_parallel.shard_inkling_state_dict`, ``spawn_ranks``).
 - :mod:`stepops.models.metadata`: the step's fixed-size buffers and the on-device metadata builders.
 - :mod:`stepops.models.runner`: :class:`StepRunner` (eager, compiled, CUDA graphs) and the scripted workload.
-- :mod:`stepops.models.reference`: the no-cache full recompute the incremental layers are checked against.
+- :mod:`stepops.models.step5_weights`: loading a Step5 checkpoint in StepFun's reference names (fp8 experts).
+- :mod:`stepops.models.reference`: Inkling's no-cache full recompute (Step5's, independent of its layers,
+  is :mod:`stepops.testing.step5_reference`).
 """
 
 from stepops.models.inkling import InklingConfig, InklingDecoderLayer, InklingModel

@@ -103,7 +103,8 @@ def masked_attention(
 ) -> torch.Tensor:
     """Grouped-query attention of each token over its own key set.
 
-    ``query [T, Hq, D]``, ``key [T, S, Hkv, D]``, ``value [T, S, Hkv, Dv]``, ``allowed [T, S]`` bool;
+    ``query [T, Hq, D]``, ``key [T, S, Hkv, D]``, ``value [T, S, Hkv, Dv]``, ``allowed [T, S]`` bool, or
+    ``[T, Hkv, S]`` when each KV head has its own key set (Step5's per-group region selection);
     ``Hq`` a multiple of ``Hkv`` (query head ``h`` reads KV head ``h // (Hq / Hkv)``). Scores, softmax and
     the weighted sum are fp32; the output ``[T, Hq, Dv]`` is rounded once to ``query.dtype``. A row with no
     allowed key (a padding token) is zero.
@@ -112,7 +113,7 @@ def masked_attention(
     num_kv_heads = key.shape[2]
     q = query.float().view(num_tokens, num_kv_heads, num_heads // num_kv_heads, head_size)
     scores = torch.einsum("tkgd,tskd->tkgs", q, key.float()) * scale
-    mask = allowed[:, None, None, :]
+    mask = allowed[:, None, None, :] if allowed.dim() == 2 else allowed[:, :, None, :]
     scores = scores.masked_fill(mask.logical_not(), float("-inf"))
     # A fully masked row would be NaN; give it a finite max so it softmaxes to zeros after the mask below.
     row_max = scores.amax(-1, keepdim=True).clamp(min=torch.finfo(torch.float32).min)

@@ -1,25 +1,31 @@
-"""Step5 decoder layers on the stepops cache ops: sliding-window layers and CSA layers.
+"""Step5 decoder layers on the stepops cache ops, as StepFun's public reference computes them.
 
-A layer step takes the step's flattened hidden states ``[T, hidden]`` bf16 (prefill chunks, decode and
-verify tokens of many requests, padding last) and its :class:`Step5StepMetadata`, and returns ``[T, hidden]``:
+A step takes the step's flattened hidden states ``[T, hidden]`` (prefill chunks, decode and verify tokens of
+many requests, padding last) and its :class:`Step5StepMetadata`. The residual stream is fp32; matmul inputs
+are bf16. Per layer (``docs/models.md`` maps each line to the reference)::
 
-    h = RMSNorm(x);  q, k, v = proj(h);  rope(q, k)
+    h = bf16(ZCNorm(x))                              ZCNorm(x) = x / rms(x) * (1 + w), fp32
+    q, k, v = q_proj(h), k_proj(h), v_proj(h);  q, k = rope(ZCNorm_head(q)), rope(ZCNorm_head(k))
     paged_kv_write(k, v -> this layer's KV cache)
-    sliding layer: each token attends to the last ``sliding_window`` positions (causal)
-    CSA layer:     indexer  iq = rope32(ZeroCentredRMSNorm(Wq h)) [T, Hi, 256]
-                            ik = rope32(LayerNorm(Wk h)) [T, 256],  iz = Wz h [T, 256],  w = Ww h (fp32) [T, Hi]
-                   csa_ring_update(ik, iz -> ring rows, summaries of the regions this step closes)
-                   score[t, r] = sum_h relu(iq[t, h] . summary[r]) * w[t, h], r < own region of t
-                   attend (causal) to the tokens of the top-k regions (ties: lower id) + the own region
-    x = x + o_proj(attn);  x = x + SwiGLU(RMSNorm(x))
+    sliding layer: each token attends to the last ``sliding_window`` positions (rope theta 1e4, whole head)
+    CSA layer:     rope theta 5e6 over a third of the head, llama3-scaled; the indexer, per KV group g:
+                   iq = rope(ZCNorm(Wq h)) [T, G, Hg, 256],  ik = rope(LayerNorm(Wk h)),  iz = Wz h,
+                   w = (Ww h) * Hg**-0.5 [T, G, Hg];  csa_ring_update(ik, iz -> ring, e4m3 summaries)
+                   score[t, g, r] = sum_h relu(e4m3(iq[t, g, h]) . summary[r]) * w[t, g, h],  r < own region
+                   KV head g attends (causally) to the top-k regions of group g (ties: lower id) + its own
+    x = x + o_proj(attn * sigmoid(g_proj(h)) per head)
+    x = x + FFN(bf16(ZCNorm(x)))       FFN: clamped SwiGLU MLP, or routed experts + shared expert (MoE)
 
-Caches are owned through :mod:`stepops.owners` (a :class:`PagedAttentionLayer` per layer, a
-:class:`Step5CSATailRing` per CSA layer) and allocated by :func:`stepops.allocator.allocate_kv_caches`;
-the summary cache of each CSA layer is the layer's own ``[num_slots, 256]`` tensor.
+The stack ends with the reference's final norm: ``out = ZCNorm(bf16(x))`` in bf16. Caches are owned
+through :mod:`stepops.owners` (a :class:`PagedAttentionLayer` per layer, a :class:`Step5CSATailRing` per CSA
+layer) and allocated by :func:`stepops.allocator.allocate_kv_caches`; the e4m3 summary cache of each CSA
+layer is the layer's own ``[num_slots, 256]`` tensor of e4m3 codes. Parameter names are the checkpoint's
+(``self_attn.q_proj.weight``, ``moe.gate_proj.weight``, ...): see :mod:`stepops.models.step5_weights`.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,7 +37,7 @@ from torch import nn
 from stepops._meta.csa_ring_update import REGION_SIZE
 from stepops.allocator import KVCaches, allocate_kv_caches
 from stepops.layouts import smallest_block_size
-from stepops.models.layers import RMSNorm, SwiGLU, gather_paged_keys, masked_attention, rope_neox
+from stepops.models.layers import gather_paged_keys, masked_attention
 from stepops.models.metadata import (
     StepBuffers,
     Step5StepMetadata,
@@ -44,12 +50,39 @@ from stepops.owners import PagedAttentionLayer, Step5CSATailRing
 
 SLIDING = "sliding"
 CSA = "csa"
+# The deployed router kernel's guard on the renormalising sum (model.py ROUTER_RENORM_EPS).
+ROUTER_RENORM_EPS = 1e-20
+
+
+@dataclass(frozen=True)
+class Llama3RopeScaling:
+    """``rope_scaling`` of type ``llama3``: long wavelengths are stretched by ``factor``, short ones kept,
+    the band between interpolated (applied to CSA layers only: the reference's ``yarn_only_types``)."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+    def __post_init__(self) -> None:
+        if not (self.factor > 0 and self.original_max_position_embeddings > 0):
+            raise ValueError(f"llama3 rope scaling needs factor > 0 and original_max_position_embeddings > 0: {self}")
+        if not 0 < self.low_freq_factor < self.high_freq_factor:
+            raise ValueError(f"llama3 rope scaling needs 0 < low_freq_factor < high_freq_factor: {self}")
 
 
 @dataclass(frozen=True)
 class Step5Config:
-    """Step5 decoder numbers. The default is tiny (CPU tests); the indexer's ``index_proxy_dim`` stays 256
-    because a ring row ``[index_k | index_z]`` is 1024 bytes of bf16 (:data:`stepops.layouts.ROW_BYTES`)."""
+    """Step5 decoder numbers. The defaults are a tiny model for CPU tests, chosen so that every part acts:
+    more regions than ``index_top_k``, 8 indexer heads per KV group, a llama3 band inside the CSA layers'
+    rotary span, SwiGLU limits that clip, and a MoE layer (layer 0) beside a dense one.
+    :data:`STEP5_REFERENCE` holds the released model's numbers.
+
+    ``index_proxy_dim`` stays 256 because a ring row ``[index_k | index_z]`` is 1024 bytes of bf16
+    (:data:`stepops.layouts.ROW_BYTES`). The indexer's groups are the KV heads (the reference's
+    ``num_provider_groups == num_attention_groups``), so ``index_num_heads`` is a multiple of
+    ``num_kv_heads``. ``moe_layers`` lists the layer indices whose FFN is MoE; the others are dense.
+    """
 
     hidden_size: int = 64
     num_heads: int = 4
@@ -57,22 +90,82 @@ class Step5Config:
     head_dim: int = 16
     intermediate_size: int = 128
     sliding_window: int = 16
-    index_num_heads: int = 16  # as in Step5: with few heads, all-zero relu scores tie often
+    index_num_heads: int = 16
     index_proxy_dim: int = 256
     index_rope_dim: int = 32
-    index_top_k: int = 2  # regions of 8 tokens selected per query, besides its own
+    index_top_k: int = 2  # regions of 8 tokens selected per query and KV group, besides its own
     num_speculative_tokens: int = 3
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-5
+    sliding_rope_theta: float = 1e4
+    csa_rope_theta: float = 5e6
+    csa_partial_rotary_factor: float = 1 / 3
+    csa_rope_scaling: Llama3RopeScaling | None = Llama3RopeScaling(4.0, 1.0, 4.0, 64)
+    swiglu_limit: float = 1.0  # dense MLP and routed experts (the reference's default is 7.0)
+    swiglu_limit_shared: float = 0.75  # shared expert
+    moe_layers: tuple[int, ...] = (0,)
+    moe_num_experts: int = 4
+    moe_top_k: int = 2
+    moe_intermediate_size: int = 32
+    share_expert_dim: int = 32
+    moe_router_scaling_factor: float = 3.0
     layer_types: tuple[str, ...] = field(default=(SLIDING, CSA))
 
     def __post_init__(self) -> None:
+        for name in ("hidden_size", "num_heads", "num_kv_heads", "head_dim", "intermediate_size", "sliding_window",
+                     "index_num_heads", "index_top_k", "moe_num_experts", "moe_top_k", "moe_intermediate_size",
+                     "share_expert_dim"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+        if self.index_num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"index_num_heads ({self.index_num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads}): "
+                "the indexer selects regions per KV group"
+            )
         if self.index_proxy_dim != 256:
             raise ValueError(f"index_proxy_dim must be 256 (1024-byte ring rows), got {self.index_proxy_dim}")
+        if self.index_rope_dim % 2 or not 2 <= self.index_rope_dim <= self.index_proxy_dim:
+            raise ValueError(f"index_rope_dim must be even and in [2, 256], got {self.index_rope_dim}")
+        if not 0 < self.csa_partial_rotary_factor <= 1 or self.rotary_dim(CSA) < 2:
+            raise ValueError(
+                f"csa_partial_rotary_factor ({self.csa_partial_rotary_factor}) must be in (0, 1] and rotate at "
+                f"least 2 of head_dim {self.head_dim} dims"
+            )
+        if self.sliding_rope_theta <= 1 or self.csa_rope_theta <= 1:
+            raise ValueError("rope thetas must be > 1")
+        if not (self.swiglu_limit > 0 and self.swiglu_limit_shared > 0):
+            raise ValueError("swiglu limits must be > 0")
         if any(kind not in (SLIDING, CSA) for kind in self.layer_types):
             raise ValueError(f"layer_types must be {SLIDING!r} or {CSA!r}, got {self.layer_types}")
+        if len(set(self.moe_layers)) != len(self.moe_layers) or any(
+            not 0 <= i < len(self.layer_types) for i in self.moe_layers
+        ):
+            raise ValueError(f"moe_layers must be distinct layer indices < {len(self.layer_types)}, got {self.moe_layers}")
+        if self.moe_top_k > self.moe_num_experts:
+            raise ValueError(f"moe_top_k ({self.moe_top_k}) exceeds moe_num_experts ({self.moe_num_experts})")
+
+    @property
+    def index_heads_per_group(self) -> int:
+        """Indexer query heads per KV group (the reference's ``heads_per_group``)."""
+        return self.index_num_heads // self.num_kv_heads
+
+    def rotary_dim(self, kind: str) -> int:
+        """Rotated dims of a main-attention head: the whole head on sliding layers; on CSA layers
+        ``round(head_dim * csa_partial_rotary_factor)`` made even (the reference's ``rotary_span``)."""
+        if kind == SLIDING:
+            return self.head_dim
+        span = int(round(self.head_dim * self.csa_partial_rotary_factor))
+        return span - span % 2
+
+    def rope_theta(self, kind: str) -> float:
+        return self.sliding_rope_theta if kind == SLIDING else self.csa_rope_theta
+
+    def rope_scaling(self, kind: str) -> Llama3RopeScaling | None:
+        return None if kind == SLIDING else self.csa_rope_scaling
 
     @property
     def block_size(self) -> int:
@@ -81,8 +174,212 @@ class Step5Config:
         return smallest_block_size(bytes_per_token=bytes_per_token, num_speculative_tokens=self.num_speculative_tokens)
 
 
+# The released model's numbers, from StepFun's public reference (model.py: Step4Config defaults and the
+# attention module's table; kernel.py: the indexer). Not stated there, chosen and documented in
+# docs/models.md: the llama3 scaling numbers (the Step-3.5 release's config.json), which layers are MoE
+# (three dense layers first, as Step-3.5, and layer 91 dense, as model.py says) and the speculative depth.
+STEP5_REFERENCE = Step5Config(
+    hidden_size=4096,
+    num_heads=64,
+    num_kv_heads=4,
+    head_dim=192,
+    intermediate_size=13824,
+    sliding_window=512,
+    index_num_heads=16,
+    index_top_k=512,
+    num_speculative_tokens=3,
+    rms_norm_eps=1e-5,
+    csa_rope_scaling=Llama3RopeScaling(2.0, 1.0, 32.0, 131072),
+    swiglu_limit=7.0,
+    swiglu_limit_shared=7.0,
+    moe_layers=tuple(range(3, 91)),
+    moe_num_experts=352,
+    moe_top_k=8,
+    moe_intermediate_size=1536,
+    share_expert_dim=1536,
+    layer_types=tuple(CSA if i % 4 == 3 else SLIDING for i in range(92)),
+)
+
+
+def rope_inv_freq(rotary_dim: int, theta: float, scaling: Llama3RopeScaling | None) -> torch.Tensor:
+    """``[rotary_dim // 2]`` fp32 inverse frequencies ``1 / theta^(2i / rotary_dim)``, llama3-scaled if given."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim)
+    if scaling is None:
+        return inv_freq
+    wavelen = 2 * math.pi / inv_freq
+    low_wavelen = scaling.original_max_position_embeddings / scaling.low_freq_factor
+    high_wavelen = scaling.original_max_position_embeddings / scaling.high_freq_factor
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = (scaling.original_max_position_embeddings / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    return torch.where((wavelen >= high_wavelen) & (wavelen <= low_wavelen), smoothed, scaled)
+
+
+def apply_rope(x: torch.Tensor, position: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """NEOX rotation of the first ``2 * len(inv_freq)`` dims of ``x [T, ..., D]`` bf16 at ``position [T]``.
+
+    As the reference: the angle is fp32, cos/sin are rounded to bf16 (its cached tables are bf16), the
+    rotation is fp32 and the rotated dims are rounded once; the other dims pass through.
+    """
+    half = inv_freq.shape[0]
+    angle = position.float()[:, None] * inv_freq  # [T, half]
+    shape = (angle.shape[0],) + (1,) * (x.dim() - 2) + (half,)
+    cos = angle.cos().to(torch.bfloat16).float().view(shape)
+    sin = angle.sin().to(torch.bfloat16).float().view(shape)
+    a, b = x[..., :half].float(), x[..., half : 2 * half].float()
+    rotated = torch.cat([a * cos - b * sin, a * sin + b * cos], dim=-1).to(x.dtype)
+    return torch.cat([rotated, x[..., 2 * half :]], dim=-1)
+
+
+class ZeroCentredRMSNorm(nn.Module):
+    """``x / sqrt(mean(x^2) + eps) * (1 + w)`` over the last dim in fp32, rounded once to ``x.dtype``.
+
+    ``w`` is fp32, initialised at 0 (checkpoint weights sit near 0). ``bf16_weight``: round ``w`` to bf16
+    first, as the reference's indexer kernel receives it.
+    """
+
+    def __init__(self, dim: int, eps: float, *, bf16_weight: bool = False) -> None:
+        super().__init__()
+        self.eps = eps
+        self.bf16_weight = bf16_weight
+        self.weight = nn.Parameter(torch.zeros(dim, dtype=torch.float32))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        w = self.weight.to(torch.bfloat16) if self.bf16_weight else self.weight
+        y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (y * (w.float() + 1.0)).to(x.dtype)
+
+
+class IndexerKeyNorm(nn.Module):
+    """The indexer key's LayerNorm as the reference kernel computes it: ``var = mean(x^2) - mean^2`` in
+    fp32, weight and bias (fp32 parameters) rounded to bf16, result rounded once to ``x.dtype``."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, dtype=torch.float32))
+        self.bias = nn.Parameter(torch.zeros(dim, dtype=torch.float32))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        mean = x32.mean(-1, keepdim=True)
+        rstd = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) - mean * mean + self.eps)
+        w, b = self.weight.to(torch.bfloat16).float(), self.bias.to(torch.bfloat16).float()
+        return ((x32 - mean) * rstd * w + b).to(x.dtype)
+
+
+def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    """``silu(gate).clamp(max=limit) * up.clamp(-limit, limit)`` in fp32, rounded once to ``gate.dtype``."""
+    return (F.silu(gate.float()).clamp(max=limit) * up.float().clamp(-limit, limit)).to(gate.dtype)
+
+
+class Step5MLP(nn.Module):
+    """Clamped SwiGLU ``down(clamped_swiglu(gate(x), up(x)))``: the dense FFN and the shared expert."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, limit: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.limit = limit
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False, dtype=dtype)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False, dtype=dtype)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(clamped_swiglu(self.gate_proj(x), self.up_proj(x), self.limit))
+
+
+class StackedExpertWeight(nn.Module):
+    """One ``[num_experts, out, in]`` weight (the checkpoint's ``moe.{gate,up,down}_proj.weight``)."""
+
+    def __init__(self, num_experts: int, out_features: int, in_features: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, out_features, in_features, dtype=dtype))
+        nn.init.uniform_(self.weight, -(in_features**-0.5), in_features**-0.5)
+
+
+class Step5MoE(nn.Module):
+    """Sigmoid router with a selection-only bias over stacked experts (the shared expert is the layer's).
+
+    Routing: ``s = sigmoid(x W_gate^T) + bias`` in fp32, the top-k experts by ``s``, weights ``s - bias``
+    renormalised to sum 1 and scaled by ``moe_router_scaling_factor``. Each chosen expert's clamped SwiGLU
+    output (bf16) is summed in slot order with an fp32 accumulator and rounded once to bf16.
+
+    Static shapes: every expert runs on every token (``num_experts / top_k`` times the routed work) and
+    the chosen outputs are gathered, so routing needs no data-dependent shape or host sync. This is the
+    correctness path, not a serving kernel.
+    """
+
+    def __init__(self, config: Step5Config, dtype: torch.dtype) -> None:
+        super().__init__()
+        c = config
+        self.top_k = c.moe_top_k
+        self.scaling_factor = c.moe_router_scaling_factor
+        self.limit = c.swiglu_limit
+        self.gate = nn.Linear(c.hidden_size, c.moe_num_experts, bias=False, dtype=dtype)
+        self.router_bias = nn.Parameter(torch.zeros(c.moe_num_experts, dtype=torch.float32))
+        self.gate_proj = StackedExpertWeight(c.moe_num_experts, c.moe_intermediate_size, c.hidden_size, dtype)
+        self.up_proj = StackedExpertWeight(c.moe_num_experts, c.moe_intermediate_size, c.hidden_size, dtype)
+        self.down_proj = StackedExpertWeight(c.moe_num_experts, c.hidden_size, c.moe_intermediate_size, dtype)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x [T, hidden]`` -> ``(weights [T, k] fp32, expert ids [T, k])``, best expert first."""
+        scores = torch.sigmoid(F.linear(x.float(), self.gate.weight.float())) + self.router_bias
+        top, ids = torch.topk(scores, self.top_k, dim=-1)
+        weights = top - self.router_bias[ids]
+        weights = weights / (weights.sum(-1, keepdim=True) + ROUTER_RENORM_EPS)
+        return weights * self.scaling_factor, ids
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        num_experts, inner, hidden = self.gate_proj.weight.shape
+        weights, ids = self.route(x)
+        gate = F.linear(x, self.gate_proj.weight.reshape(num_experts * inner, hidden)).view(num_tokens, num_experts, inner)
+        up = F.linear(x, self.up_proj.weight.reshape(num_experts * inner, hidden)).view(num_tokens, num_experts, inner)
+        act = clamped_swiglu(gate, up, self.limit).transpose(0, 1)  # [E, T, I]
+        expert_out = torch.bmm(act, self.down_proj.weight.transpose(1, 2))  # [E, T, hidden] bf16
+        chosen = expert_out.transpose(0, 1).gather(1, ids[:, :, None].expand(-1, -1, hidden))  # [T, k, hidden]
+        out = torch.zeros(num_tokens, hidden, dtype=torch.float32, device=x.device)
+        for slot in range(self.top_k):
+            out = out + chosen[:, slot].float() * weights[:, slot, None]
+        return out.to(x.dtype)
+
+
+class Step5Attention(nn.Module):
+    """The attention block: projections, per-head q/k norms, rope, the head-wise gate and, on CSA layers,
+    the sparse indexer's parameters (the checkpoint keeps them here, not in a submodule)."""
+
+    def __init__(self, config: Step5Config, kind: str, dtype: torch.dtype) -> None:
+        super().__init__()
+        c = config
+        self.kind = kind
+        self.q_proj = nn.Linear(c.hidden_size, c.num_heads * c.head_dim, bias=False, dtype=dtype)
+        self.k_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=False, dtype=dtype)
+        self.v_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=False, dtype=dtype)
+        self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=False, dtype=dtype)
+        self.g_proj = nn.Linear(c.hidden_size, c.num_heads, bias=False, dtype=dtype)
+        self.q_norm = ZeroCentredRMSNorm(c.head_dim, c.rms_norm_eps)
+        self.k_norm = ZeroCentredRMSNorm(c.head_dim, c.rms_norm_eps)
+        theta, scaling = c.rope_theta(kind), c.rope_scaling(kind)
+        self.register_buffer("rope_inv_freq", rope_inv_freq(c.rotary_dim(kind), theta, scaling), persistent=False)
+        if kind == CSA:
+            p = c.index_proxy_dim
+            self.sparse_indexer_q = nn.Linear(c.hidden_size, c.index_num_heads * p, bias=False, dtype=dtype)
+            self.sparse_indexer_k = nn.Linear(c.hidden_size, p, bias=False, dtype=dtype)
+            self.sparse_indexer_z = nn.Linear(c.hidden_size, p, bias=False, dtype=dtype)
+            # fp32 in the checkpoint; rounded to bf16 before its GEMM, as the deployed path loads it.
+            self.sparse_indexer_w = nn.Linear(c.hidden_size, c.index_num_heads, bias=False, dtype=torch.float32)
+            self.sparse_indexer_q_norm = ZeroCentredRMSNorm(p, c.rms_norm_eps, bf16_weight=True)
+            self.sparse_indexer_k_norm = IndexerKeyNorm(p, c.rms_norm_eps)
+            self.register_buffer(
+                "index_rope_inv_freq", rope_inv_freq(c.index_rope_dim, theta, scaling), persistent=False
+            )
+
+
 class Step5DecoderLayer(nn.Module):
-    """One Step5 decoder layer (``config.layer_types[layer_index]`` picks sliding-window or CSA).
+    """One Step5 decoder layer (``config.layer_types[layer_index]`` picks sliding-window or CSA; the FFN is
+    MoE when ``layer_index`` is in ``config.moe_layers``). Takes and returns the fp32 residual stream.
 
     Registers its cache owners in ``static_forward_context`` under ``{prefix}.attn`` (and
     ``{prefix}.csa_ring``); the caches are bound later by :func:`stepops.allocator.allocate_kv_caches`.
@@ -102,12 +399,16 @@ class Step5DecoderLayer(nn.Module):
         c = config
         self.config = c
         self.kind = c.layer_types[layer_index]
+        self.is_moe = layer_index in c.moe_layers
         prefix = prefix or f"layers.{layer_index}"
-        self.input_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.qkv_proj = nn.Linear(c.hidden_size, (c.num_heads + 2 * c.num_kv_heads) * c.head_dim, bias=False, dtype=dtype)
-        self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=False, dtype=dtype)
-        self.post_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.mlp = SwiGLU(c.hidden_size, c.intermediate_size).to(dtype)
+        self.input_layernorm = ZeroCentredRMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.post_attention_layernorm = ZeroCentredRMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.self_attn = Step5Attention(c, self.kind, dtype)
+        if self.is_moe:
+            self.moe = Step5MoE(c, dtype)
+            self.share_expert = Step5MLP(c.hidden_size, c.share_expert_dim, c.swiglu_limit_shared, dtype)
+        else:
+            self.mlp = Step5MLP(c.hidden_size, c.intermediate_size, c.swiglu_limit, dtype)
         self.attn = PagedAttentionLayer(
             prefix=f"{prefix}.attn",
             num_kv_heads=c.num_kv_heads,
@@ -117,90 +418,94 @@ class Step5DecoderLayer(nn.Module):
             sliding_window=c.sliding_window if self.kind == SLIDING else None,
         )
         if self.kind == CSA:
-            p = c.index_proxy_dim
-            self.index_q_proj = nn.Linear(c.hidden_size, c.index_num_heads * p, bias=False, dtype=dtype)
-            self.index_q_norm = RMSNorm(p, c.rms_norm_eps, zero_centred=True)
-            self.index_k_proj = nn.Linear(c.hidden_size, p, bias=False, dtype=dtype)
-            self.index_k_norm = nn.LayerNorm(p, eps=c.rms_norm_eps)
-            self.index_z_proj = nn.Linear(c.hidden_size, p, bias=False, dtype=dtype)
-            # fp32 per-head weights: the score's head mix is kept in full precision.
-            self.index_weights_proj = nn.Linear(c.hidden_size, c.index_num_heads, bias=False, dtype=torch.float32)
             self.csa_ring = Step5CSATailRing(
                 prefix=f"{prefix}.csa_ring",
                 main_layer_name=f"{prefix}.attn",
                 num_speculative_tokens=c.num_speculative_tokens,
                 static_forward_context=static_forward_context,
             )
-            self.summary_cache = torch.empty(0, p, dtype=torch.bfloat16)
+            self.summary_cache = torch.empty(0, c.index_proxy_dim, dtype=torch.uint8)
 
     def bind_summary_cache(self, summary_cache: torch.Tensor) -> None:
-        """Give a CSA layer its own summary cache ``[num_slots, 256]`` bf16 (region summaries)."""
+        """Give a CSA layer its own summary cache ``[num_slots, 256]`` uint8 holding float8_e4m3fn codes.
+
+        Held as bytes, not as float8_e4m3fn: the op takes fp8 caches as a uint8 view, and a compiled step
+        that writes a dtype view of a graph input copies the whole input back afterwards."""
         if self.kind != CSA:
             raise ValueError("only CSA layers have a summary cache")
         if summary_cache.dim() != 2 or summary_cache.shape[1] != self.config.index_proxy_dim:
             raise ValueError(f"summary_cache must be [num_slots, {self.config.index_proxy_dim}], got {tuple(summary_cache.shape)}")
-        if summary_cache.dtype != torch.bfloat16:
-            raise TypeError(f"summary_cache must be bf16, got {summary_cache.dtype}")
+        if summary_cache.dtype != torch.uint8:
+            raise TypeError(f"summary_cache must be uint8 (float8_e4m3fn codes), got {summary_cache.dtype}")
         self.summary_cache = summary_cache
 
-    def forward(self, hidden: torch.Tensor, metadata: Step5StepMetadata) -> torch.Tensor:
-        """``hidden [T, hidden_size]`` bf16 -> ``[T, hidden_size]`` bf16; writes this layer's caches."""
-        c = self.config
-        num_tokens = hidden.shape[0]
+    def forward(self, residual: torch.Tensor, metadata: Step5StepMetadata) -> torch.Tensor:
+        """``residual [T, hidden_size]`` fp32 -> ``[T, hidden_size]`` fp32; writes this layer's caches."""
+        h = self.input_layernorm(residual).to(torch.bfloat16)
+        residual = residual + self._attention(h, metadata).float()
+        h = self.post_attention_layernorm(residual).to(torch.bfloat16)
+        if self.is_moe:
+            return residual + self.moe(h).float() + self.share_expert(h).float()
+        return residual + self.mlp(h).float()
+
+    def _attention(self, h: torch.Tensor, metadata: Step5StepMetadata) -> torch.Tensor:
+        c, attn = self.config, self.self_attn
+        num_tokens = h.shape[0]
         position = metadata.token.position
-        h = self.input_norm(hidden)
-        q, k, v = self.qkv_proj(h).split(
-            [c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_kv_heads * c.head_dim], dim=-1
-        )
-        q = rope_neox(q.view(num_tokens, c.num_heads, c.head_dim), position, c.head_dim, c.rope_theta)
-        k = rope_neox(k.view(num_tokens, c.num_kv_heads, c.head_dim), position, c.head_dim, c.rope_theta)
-        v = v.view(num_tokens, c.num_kv_heads, c.head_dim)
+        q = attn.q_norm(attn.q_proj(h).view(num_tokens, c.num_heads, c.head_dim))
+        k = attn.k_norm(attn.k_proj(h).view(num_tokens, c.num_kv_heads, c.head_dim))
+        q = apply_rope(q, position, attn.rope_inv_freq)
+        k = apply_rope(k, position, attn.rope_inv_freq)
+        v = attn.v_proj(h).view(num_tokens, c.num_kv_heads, c.head_dim)
         kv_cache = self.attn.kv_cache
         paged_kv_write(k, v, kv_cache[..., : c.head_dim], kv_cache[..., c.head_dim :], metadata.attn_slot_mapping)
         keys = gather_paged_keys(kv_cache, c.head_dim, metadata.attn_block_table, metadata.token)
-        key_position = torch.arange(keys.causal.shape[1], device=hidden.device)
+        key_position = torch.arange(keys.causal.shape[1], device=h.device)
         if self.kind == SLIDING:
             allowed = keys.causal & (key_position[None, :] > position.long()[:, None] - c.sliding_window)
         else:
-            selected_regions = self._select_regions(h, metadata)
-            allowed = keys.causal & selected_regions[:, key_position // REGION_SIZE]
-        attn = masked_attention(q, keys.key, keys.value, allowed, c.head_dim**-0.5)
-        hidden = hidden + self.o_proj(attn.flatten(1))
-        return hidden + self.mlp(self.post_norm(hidden))
+            selected_regions = self._select_regions(h, metadata)  # [T, G, num_regions]
+            allowed = keys.causal[:, None, :] & selected_regions[:, :, key_position // REGION_SIZE]
+        out = masked_attention(q, keys.key, keys.value, allowed, c.head_dim**-0.5)
+        gate = torch.sigmoid(attn.g_proj(h))[:, :, None]
+        return attn.o_proj((out * gate).flatten(1))
 
     def _select_regions(self, h: torch.Tensor, metadata: Step5StepMetadata) -> torch.Tensor:
-        """Run the CSA indexer; return ``[T, num_regions]`` bool: the regions each token attends to."""
-        c = self.config
-        num_tokens = h.shape[0]
+        """Run the CSA indexer; return ``[T, G, num_regions]`` bool: the regions KV group ``g`` of each token
+        attends to (its top-k earlier complete regions by group ``g``'s score, and its own)."""
+        c, attn = self.config, self.self_attn
+        num_tokens, groups, per_group = h.shape[0], c.num_kv_heads, c.index_heads_per_group
         position = metadata.token.position
-        iq = self.index_q_norm(self.index_q_proj(h).view(num_tokens, c.index_num_heads, c.index_proxy_dim))
-        iq = rope_neox(iq, position, c.index_rope_dim, c.rope_theta)
-        ik = self.index_k_norm(self.index_k_proj(h).float()).to(h.dtype)
-        ik = rope_neox(ik, position, c.index_rope_dim, c.rope_theta)
-        iz = self.index_z_proj(h)
-        weights = self.index_weights_proj(h.float()) * c.index_num_heads**-0.5  # [T, Hi] fp32
-        # Ring rows and the summaries of every region a token of this step closes; later tokens of the step
-        # read those summaries below (the op runs first in program order).
+        iq = attn.sparse_indexer_q_norm(attn.sparse_indexer_q(h).view(num_tokens, c.index_num_heads, c.index_proxy_dim))
+        iq = apply_rope(iq, position, attn.index_rope_inv_freq)
+        ik = apply_rope(attn.sparse_indexer_k_norm(attn.sparse_indexer_k(h)), position, attn.index_rope_inv_freq)
+        iz = attn.sparse_indexer_z(h)
+        weights = F.linear(h, attn.sparse_indexer_w.weight.to(h.dtype)).float() * per_group**-0.5  # [T, Hi]
+        # Ring rows and the e4m3 summaries of every region a token of this step closes; later tokens of the
+        # step read those summaries below (the op runs first in program order).
         self.csa_ring.update(ik, iz, self.summary_cache, metadata.ring)
-        summaries = self.summary_cache[metadata.summary_slots].float()  # [T, num_regions, 256]
-        per_head = torch.einsum("thp,trp->thr", iq.float(), summaries)
-        scores = (F.relu(per_head) * weights[:, :, None]).sum(1)  # [T, num_regions]
-        region = torch.arange(scores.shape[1], device=h.device)
-        own = (position.long() // REGION_SIZE)[:, None]
-        scores = scores.masked_fill(region[None, :] >= own, float("-inf"))  # only complete earlier regions
+        fp8 = torch.float8_e4m3fn
+        summaries = self.summary_cache[metadata.summary_slots].view(fp8).float()  # [T, R, 256]
+        iq8 = iq.to(fp8).float().view(num_tokens, groups, per_group, c.index_proxy_dim)
+        per_head = torch.einsum("tghp,trp->tghr", iq8, summaries)
+        scores = (F.relu(per_head) * weights.view(num_tokens, groups, per_group, 1)).sum(2)  # [T, G, R]
+        region = torch.arange(scores.shape[-1], device=h.device)
+        own = (position.long() // REGION_SIZE)[:, None, None]
+        scores = scores.masked_fill(region >= own, float("-inf"))  # only complete earlier regions compete
         # Stable descending sort: equal scores keep ascending region order, so ties go to the lower id.
         ranked = torch.sort(scores, dim=-1, descending=True, stable=True)
-        top = ranked.indices[:, : c.index_top_k]
-        top_valid = ranked.values[:, : c.index_top_k] > float("-inf")
-        selected = torch.zeros_like(scores, dtype=torch.bool).scatter(1, top, top_valid)
-        return selected | (region[None, :] == own)
+        top = ranked.indices[..., : c.index_top_k]
+        top_valid = ranked.values[..., : c.index_top_k] > float("-inf")
+        selected = torch.zeros_like(scores, dtype=torch.bool).scatter(-1, top, top_valid)
+        return selected | (region == own)
 
 
 class Step5Model(nn.Module):
-    """A stack of :class:`Step5DecoderLayer` with its forward context (the layers' cache owners).
+    """A stack of :class:`Step5DecoderLayer` and the final norm, with its forward context (cache owners).
 
     :meth:`allocate_caches` gives every layer its own caches; :meth:`forward` runs one step: it derives the
-    per-token metadata from the step's :class:`StepBuffers` on the device, then every layer.
+    per-token metadata from the step's :class:`StepBuffers` on the device, then carries the fp32 residual
+    stream through every layer and returns ``norm(bf16(residual))`` ``[T, hidden]`` bf16.
     """
 
     def __init__(self, config: Step5Config = Step5Config(), *, dtype: torch.dtype = torch.bfloat16) -> None:
@@ -211,17 +516,18 @@ class Step5Model(nn.Module):
             Step5DecoderLayer(config, i, static_forward_context=self.static_forward_context, dtype=dtype)
             for i in range(len(config.layer_types))
         )
+        self.norm = ZeroCentredRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.summary_block_size = 16  # regions per summary-cache block
 
     def allocate_caches(self, num_blocks: int, num_summary_blocks: int, device: torch.device | str) -> KVCaches:
         """Allocate and bind every layer's own KV cache and ring (``num_blocks`` blocks, through the
-        allocator) and each CSA layer's summary cache (``num_summary_blocks * summary_block_size`` rows)."""
+        allocator) and each CSA layer's e4m3 summary cache (``num_summary_blocks * summary_block_size`` rows)."""
         caches = allocate_kv_caches(self.static_forward_context, num_blocks, device=device)
         for layer in self.layers:
             if layer.kind == CSA:
                 layer.bind_summary_cache(
                     torch.zeros(num_summary_blocks * self.summary_block_size, self.config.index_proxy_dim,
-                                dtype=torch.bfloat16, device=device)
+                                dtype=torch.uint8, device=device)
                 )
         return caches
 
@@ -269,7 +575,9 @@ class Step5Model(nn.Module):
         )
 
     def forward(self, hidden: torch.Tensor, buffers: StepBuffers) -> torch.Tensor:
+        """``hidden [T, hidden_size]`` (the step's embeddings) -> ``[T, hidden_size]`` bf16."""
         metadata = self.build_metadata(buffers, hidden.shape[0])
+        residual = hidden.float()
         for layer in self.layers:
-            hidden = layer(hidden, metadata)
-        return hidden
+            residual = layer(residual, metadata)
+        return self.norm(residual.to(torch.bfloat16))

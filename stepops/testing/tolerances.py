@@ -65,7 +65,7 @@ TOLERANCES: dict[str, Tolerance] = {
         "apart (2**-8 relative) and a 2-layer stack compounds a few of them: 4 ulps = 2**-6 relative, and "
         "near 0 one ulp of the residual stream's typical magnitude (|x| < 16: 2**-3). A region-selection "
         "flip exceeds it (errors 0.18-0.78 seen on a GPU), so tokens whose k-th and (k+1)-th region scores "
-        "are a near tie (stepops.models.reference.NEAR_TIE_MARGIN) are left out of the comparison, and their "
+        "are a near tie (stepops.testing.recompute.NEAR_TIE_MARGIN) are left out of the comparison, and their "
         "count is bounded; see model_vs_recompute_cpu for CPU eager",
     ),
     "model_vs_recompute_cpu": Tolerance(

@@ -1,0 +1,217 @@
+"""An independent dense recompute of a Step5 stack, written from StepFun's public reference formulas.
+
+It reads a checkpoint in the reference's names (``layers.{i}.self_attn.q_proj.weight``, ...; fp8 experts
+with ``weight_scale_inv`` are dequantised here) and one request's committed inputs ``x [L, hidden]``, and
+recomputes the whole sequence with no cache. It shares no module or function with
+:mod:`stepops.models.step5` (only the config's numbers): its own norms, rope and llama3 scaling, indexer,
+region summaries (a plain softmax over each complete region, not the op's online fold), selection (a
+Python sort on ``(-score, region)`` per KV group), attention (``scaled_dot_product_attention`` with a dense
+per-group mask), MLP and MoE (a per-expert loop over the routed tokens, as the reference's CPU path).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+import torch
+import torch.nn.functional as F
+
+from stepops.models.step5 import CSA, Step5Config
+
+_REGION = 8
+_FP8 = torch.float8_e4m3fn
+_FP8_MAX = 448.0
+_FP8_BLOCK = 128
+_RENORM_EPS = 1e-20
+
+
+def _norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """Zero-centred RMSNorm ``x * rsqrt(mean(x^2) + eps) * (1 + w)`` in fp32 (not rounded)."""
+    x = x.float()
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * (w.float() + 1.0)
+
+
+def _frequencies(span: int, theta: float, scaling) -> torch.Tensor:
+    """The reference's ``build_rope_cache`` frequencies (fp32), with ``_apply_llama3_scaling``."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, span, 2, dtype=torch.float32) / span))
+    if scaling is None:
+        return inv_freq
+    original = scaling.original_max_position_embeddings
+    wavelen = 2 * math.pi / inv_freq
+    stretched = torch.where(wavelen > original / scaling.low_freq_factor, inv_freq / scaling.factor, inv_freq)
+    t = (original / wavelen - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
+    band = (wavelen >= original / scaling.high_freq_factor) & (wavelen <= original / scaling.low_freq_factor)
+    return torch.where(band, (1 - t) * stretched / scaling.factor + t * stretched, stretched)
+
+
+def _rope(x: torch.Tensor, span: int, theta: float, scaling) -> torch.Tensor:
+    """``x [L, ..., D]`` bf16 at positions ``0..L-1``: dims ``(d, d + span/2)`` for ``d < span/2`` rotate by
+    ``position * inv_freq[d]`` with bf16 cos/sin tables; the rest pass through."""
+    half = span // 2
+    freqs = torch.outer(torch.arange(x.shape[0], dtype=torch.float32), _frequencies(span, theta, scaling))
+    cos = freqs.cos().to(torch.bfloat16).float().to(x.device)
+    sin = freqs.sin().to(torch.bfloat16).float().to(x.device)
+    cos, sin = (t.view(x.shape[0], *([1] * (x.dim() - 2)), half) for t in (cos, sin))
+    real, imaginary = x[..., :half].float(), x[..., half:span].float()
+    out = x.clone()
+    out[..., :half] = (real * cos - imaginary * sin).to(x.dtype)
+    out[..., half:span] = (real * sin + imaginary * cos).to(x.dtype)
+    return out
+
+
+def _swiglu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, limit: float) -> torch.Tensor:
+    a = F.silu(F.linear(x, gate).float()).clamp(max=limit)
+    b = F.linear(x, up).float().clamp(min=-limit, max=limit)
+    return F.linear((a * b).to(x.dtype), down)
+
+
+def dequantize_fp8_experts(weight: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
+    """``[E, out, in]`` e4m3 times its ``[E, ceil(out/128), ceil(in/128)]`` block scales, as bf16."""
+    out = torch.empty(weight.shape, dtype=torch.float32)
+    for e in range(weight.shape[0]):
+        for i in range(scale_inv.shape[1]):
+            for j in range(scale_inv.shape[2]):
+                rows, cols = slice(i * _FP8_BLOCK, (i + 1) * _FP8_BLOCK), slice(j * _FP8_BLOCK, (j + 1) * _FP8_BLOCK)
+                out[e, rows, cols] = weight[e, rows, cols].float() * scale_inv[e, i, j]
+    return out.to(torch.bfloat16)
+
+
+def _experts(state: Mapping[str, torch.Tensor], prefix: str, name: str) -> torch.Tensor:
+    weight = state[f"{prefix}moe.{name}.weight"]
+    scale = state.get(f"{prefix}moe.{name}.weight_scale_inv")
+    return weight if scale is None else dequantize_fp8_experts(weight.cpu(), scale.cpu()).to(weight.device)
+
+
+def _moe(c: Step5Config, state: Mapping[str, torch.Tensor], prefix: str, h: torch.Tensor) -> torch.Tensor:
+    """Routed experts of ``h [L, hidden]`` bf16 -> bf16: the reference's ``Step4MoE.forward`` CPU path."""
+    bias = state[f"{prefix}moe.router_bias"].float()
+    scores = torch.sigmoid(h.float() @ state[f"{prefix}moe.gate.weight"].float().t()) + bias
+    top, ids = torch.topk(scores, c.moe_top_k, dim=-1)
+    weights = top - bias[ids]
+    weights = weights / (weights.sum(-1, keepdim=True) + _RENORM_EPS) * c.moe_router_scaling_factor
+    gate, up, down = (_experts(state, prefix, n) for n in ("gate_proj", "up_proj", "down_proj"))
+    slot_output = torch.zeros(h.shape[0], c.moe_top_k, h.shape[1], dtype=h.dtype, device=h.device)
+    for e in range(c.moe_num_experts):
+        rows, slots = (ids == e).nonzero(as_tuple=True)
+        if rows.numel():
+            slot_output[rows, slots] = _swiglu(h[rows], gate[e], up[e], down[e], c.swiglu_limit)
+    out = torch.zeros(h.shape, dtype=torch.float32, device=h.device)
+    for slot in range(c.moe_top_k):
+        out = out + slot_output[:, slot].float() * weights[:, slot, None]
+    return out.to(h.dtype)
+
+
+def _indexer_scores(
+    c: Step5Config, state: Mapping[str, torch.Tensor], prefix: str, h: torch.Tensor, theta: float, scaling
+) -> torch.Tensor:
+    """``[L, G, num_complete_regions]`` fp32: each query's score of each complete region, per KV group."""
+    length, groups, per_group, dim = h.shape[0], c.num_kv_heads, c.index_heads_per_group, c.index_proxy_dim
+    p = f"{prefix}self_attn.sparse_indexer_"
+    q = F.linear(h, state[p + "q.weight"]).view(length, c.index_num_heads, dim)
+    q = _norm(q, state[p + "q_norm.weight"].to(torch.bfloat16), c.rms_norm_eps).to(torch.bfloat16)
+    q = _rope(q, c.index_rope_dim, theta, scaling)
+    k = F.linear(h, state[p + "k.weight"]).float()
+    mean = k.mean(-1, keepdim=True)
+    k = (k - mean) * torch.rsqrt(k.pow(2).mean(-1, keepdim=True) - mean**2 + c.rms_norm_eps)
+    k = k * state[p + "k_norm.weight"].to(torch.bfloat16).float() + state[p + "k_norm.bias"].to(torch.bfloat16).float()
+    k = _rope(k.to(torch.bfloat16), c.index_rope_dim, theta, scaling)
+    z = F.linear(h, state[p + "z.weight"])
+    w = F.linear(h, state[p + "w.weight"].to(torch.bfloat16)).float() * per_group**-0.5
+    n = length // _REGION
+    k_regions = k[: n * _REGION].float().view(n, _REGION, dim)
+    z_regions = z[: n * _REGION].float().view(n, _REGION, dim)
+    summaries = (torch.softmax(z_regions, dim=1) * k_regions).sum(1)  # per-dimension softmax over the 8 tokens
+    summaries = summaries.to(torch.bfloat16).float().clamp(-_FP8_MAX, _FP8_MAX).to(_FP8).float()
+    q8 = q.to(_FP8).float().view(length, groups, per_group, dim)
+    dots = torch.einsum("lghd,rd->lghr", q8, summaries)
+    return (dots.clamp(min=0) * w.view(length, groups, per_group, 1)).sum(2)
+
+
+def _ranked(row: list[float], candidates: int) -> list[int]:
+    """Candidate regions ``0..candidates-1`` best first; equal scores in ascending region order."""
+    return sorted(range(candidates), key=lambda r: (-row[r], r))
+
+
+def _selection(scores: torch.Tensor, top_k: int, margin: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[G, L, L]`` bool (key ``j`` in a region group ``g`` of query ``i`` selects: its top-k earlier complete
+    regions and its own) and ``[L]`` bool (some group's k-th and (k+1)-th scores are within ``margin`` times
+    its largest candidate magnitude)."""
+    length, groups = scores.shape[0], scores.shape[1]
+    table = scores.cpu().tolist()
+    allowed = torch.zeros(groups, length, length, dtype=torch.bool)
+    near = torch.zeros(length, dtype=torch.bool)
+    for i in range(length):
+        own = i // _REGION
+        for g in range(groups):
+            ranked = _ranked(table[i][g], own)
+            for r in ranked[:top_k] + [own]:
+                allowed[g, i, r * _REGION : (r + 1) * _REGION] = True
+            if margin is not None and len(ranked) > top_k:
+                row = table[i][g]
+                gap = row[ranked[top_k - 1]] - row[ranked[top_k]]
+                near[i] |= gap <= margin * max(abs(row[r]) for r in ranked)
+    return allowed, near
+
+
+def _layer(
+    c: Step5Config, state: Mapping[str, torch.Tensor], i: int, x: torch.Tensor, margin: float | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Layer ``i`` on the fp32 residual ``x [L, hidden]``; returns it and the near-tie rows ``[L]``."""
+    prefix, kind = f"layers.{i}.", c.layer_types[i]
+    a = f"{prefix}self_attn."
+    length, heads, groups, dim = x.shape[0], c.num_heads, c.num_kv_heads, c.head_dim
+    theta = c.sliding_rope_theta if kind != CSA else c.csa_rope_theta
+    scaling = c.csa_rope_scaling if kind == CSA else None
+    span = dim if kind != CSA else int(round(dim * c.csa_partial_rotary_factor)) // 2 * 2
+    h = _norm(x, state[prefix + "input_layernorm.weight"], c.rms_norm_eps).to(torch.bfloat16)
+    q = _norm(F.linear(h, state[a + "q_proj.weight"]).view(length, heads, dim), state[a + "q_norm.weight"], c.rms_norm_eps)
+    k = _norm(F.linear(h, state[a + "k_proj.weight"]).view(length, groups, dim), state[a + "k_norm.weight"], c.rms_norm_eps)
+    q, k = _rope(q.to(torch.bfloat16), span, theta, scaling), _rope(k.to(torch.bfloat16), span, theta, scaling)
+    v = F.linear(h, state[a + "v_proj.weight"]).view(length, groups, dim)
+    i_pos = torch.arange(length)[:, None]
+    j_pos = torch.arange(length)[None, :]
+    near = torch.zeros(length, dtype=torch.bool)
+    if kind == CSA:
+        allowed, near = _selection(_indexer_scores(c, state, prefix, h, theta, scaling), c.index_top_k, margin)
+        allowed &= j_pos <= i_pos
+    else:
+        allowed = ((j_pos <= i_pos) & (j_pos > i_pos - c.sliding_window)).expand(groups, length, length)
+    per = heads // groups
+    attn = F.scaled_dot_product_attention(
+        q.float().transpose(0, 1),
+        k.float().repeat_interleave(per, dim=1).transpose(0, 1),
+        v.float().repeat_interleave(per, dim=1).transpose(0, 1),
+        attn_mask=allowed.repeat_interleave(per, dim=0).to(x.device),
+        scale=dim**-0.5,
+    ).transpose(0, 1).to(torch.bfloat16)  # [L, H, D]
+    attn = attn * torch.sigmoid(F.linear(h, state[a + "g_proj.weight"]))[:, :, None]
+    x = x + F.linear(attn.reshape(length, heads * dim), state[a + "o_proj.weight"]).float()
+    h = _norm(x, state[prefix + "post_attention_layernorm.weight"], c.rms_norm_eps).to(torch.bfloat16)
+    if i in c.moe_layers:
+        s = f"{prefix}share_expert."
+        shared = _swiglu(h, state[s + "gate_proj.weight"], state[s + "up_proj.weight"], state[s + "down_proj.weight"],
+                         c.swiglu_limit_shared)
+        return x + _moe(c, state, prefix, h).float() + shared.float(), near
+    m = f"{prefix}mlp."
+    mlp = _swiglu(h, state[m + "gate_proj.weight"], state[m + "up_proj.weight"], state[m + "down_proj.weight"], c.swiglu_limit)
+    return x + mlp.float(), near
+
+
+def step5_recompute(
+    config: Step5Config, state: Mapping[str, torch.Tensor], x: torch.Tensor, near_tie_margin: float | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One request's committed inputs ``x [L, hidden]`` through the whole stack and the final norm.
+
+    Returns ``[L, hidden]`` bf16 and ``[L]`` bool: the rows whose output depends on a near-tie region choice
+    (see :func:`_selection`). A near tie in a layer before the last changes that row's keys and values
+    there, so it and every later row of the request are marked.
+    """
+    rows = torch.zeros(x.shape[0], dtype=torch.bool)
+    residual = x.float()
+    with torch.inference_mode():
+        for i in range(len(config.layer_types)):
+            residual, near = _layer(config, state, i, residual, near_tie_margin)
+            rows |= near.cummax(0).values if i < len(config.layer_types) - 1 else near
+        out = _norm(residual.to(torch.bfloat16), state["norm.weight"], config.rms_norm_eps).to(torch.bfloat16)
+    return out, rows

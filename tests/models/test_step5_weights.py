@@ -1,0 +1,143 @@
+"""Step5 checkpoints in StepFun's reference names: loading, fp8 expert dequantisation, clear errors; the
+config's checks and the released model's numbers."""
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from stepops.models import Step5Config, Step5Model
+from stepops.models.step5 import CSA, SLIDING, STEP5_REFERENCE, Llama3RopeScaling
+from stepops.models.step5_weights import dequantize_fp8_blocks, load_step5_safetensors, load_step5_state_dict
+from stepops.testing.step5_checkpoint import random_step5_checkpoint
+from stepops.testing.step5_reference import dequantize_fp8_experts
+
+_CONFIG = Step5Config()  # layer 0: sliding + MoE, layer 1: CSA + dense MLP
+
+
+def test_a_reference_named_checkpoint_loads_every_parameter():
+    checkpoint = random_step5_checkpoint(_CONFIG, seed=0)
+    model = Step5Model(_CONFIG)
+    load_step5_state_dict(model, checkpoint)
+    params = dict(model.named_parameters())
+    for name in ("layers.1.self_attn.sparse_indexer_w.weight", "layers.1.self_attn.q_norm.weight", "norm.weight"):
+        assert torch.equal(params[name], checkpoint[name].to(params[name].dtype)), name
+    assert params["layers.1.self_attn.sparse_indexer_w.weight"].dtype == torch.float32
+    assert params["layers.0.moe.router_bias"].dtype == torch.float32
+    experts = params["layers.0.moe.down_proj.weight"]
+    want = dequantize_fp8_experts(checkpoint["layers.0.moe.down_proj.weight"], checkpoint["layers.0.moe.down_proj.weight_scale_inv"])
+    assert experts.dtype == torch.bfloat16 and torch.equal(experts, want)
+
+
+def test_fp8_dequantisation_uses_one_scale_per_128_block():
+    """Ragged blocks on both axes (200 x 300 = 2 x 3 blocks), against the recompute's per-block loop."""
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(2, 200, 300, generator=gen).to(torch.float8_e4m3fn)
+    scale = torch.rand(2, 2, 3, generator=gen) + 0.5
+    got = dequantize_fp8_blocks(weight, scale, torch.bfloat16)
+    assert torch.equal(got, dequantize_fp8_experts(weight, scale))
+    assert torch.equal(got[1, 150, 290], (weight[1, 150, 290].float() * scale[1, 1, 2]).to(torch.bfloat16))
+    with pytest.raises(ValueError, match=r"weight_scale_inv must be \(2, 2, 3\)"):
+        dequantize_fp8_blocks(weight, scale[:, :1], torch.bfloat16)
+    with pytest.raises(TypeError, match="float8_e4m3fn"):
+        dequantize_fp8_blocks(weight.float(), scale, torch.bfloat16)
+
+
+def test_safetensors_directory_with_a_prefix(tmp_path):
+    """A causal-LM style checkpoint (``model.`` names) split over two files, fp8 experts included."""
+    checkpoint = {f"model.{k}": v for k, v in random_step5_checkpoint(_CONFIG, seed=1).items()}
+    names = sorted(checkpoint)
+    save_file({k: checkpoint[k] for k in names[::2]}, tmp_path / "model-00001.safetensors")
+    save_file({k: checkpoint[k] for k in names[1::2]}, tmp_path / "model-00002.safetensors")
+    model = Step5Model(_CONFIG)
+    load_step5_safetensors(model, tmp_path, prefix="model.")
+    want = Step5Model(_CONFIG)
+    load_step5_state_dict(want, checkpoint, prefix="model.")
+    for (name, a), (_, b) in zip(model.named_parameters(), want.named_parameters()):
+        assert torch.equal(a, b), name
+
+
+def _load(checkpoint):
+    load_step5_state_dict(Step5Model(_CONFIG), checkpoint)
+
+
+def test_missing_and_unexpected_names_are_listed():
+    checkpoint = random_step5_checkpoint(_CONFIG, seed=0)
+    del checkpoint["layers.1.self_attn.g_proj.weight"]
+    checkpoint["layers.1.self_attn.index_q_proj.weight"] = torch.zeros(1)
+    with pytest.raises(ValueError, match=r"missing \['layers\.1\.self_attn\.g_proj\.weight'\], unexpected "
+                                         r"\['layers\.1\.self_attn\.index_q_proj\.weight'\]"):
+        _load(checkpoint)
+
+
+def test_a_name_outside_the_prefix_is_unexpected():
+    checkpoint = random_step5_checkpoint(_CONFIG, seed=0)
+    checkpoint["lm_head.weight"] = torch.zeros(1)
+    with pytest.raises(ValueError, match=r"unexpected \['lm_head\.weight'\]"):
+        _load(checkpoint)
+
+
+def test_the_unused_ssmax_s_is_accepted():
+    checkpoint = random_step5_checkpoint(_CONFIG, seed=0)
+    checkpoint["layers.1.self_attn.ssmax_s"] = torch.zeros(_CONFIG.num_heads)
+    _load(checkpoint)
+
+
+def test_a_scale_without_its_weight_and_fp8_without_a_scale_are_errors():
+    checkpoint = random_step5_checkpoint(_CONFIG, seed=0)
+    checkpoint["layers.0.mlp.up_proj.weight_scale_inv"] = torch.ones(1, 1)
+    with pytest.raises(ValueError, match=r"unexpected \['layers\.0\.mlp\.up_proj\.weight_scale_inv'\]"):
+        _load(checkpoint)
+    checkpoint = random_step5_checkpoint(_CONFIG, seed=0)
+    del checkpoint["layers.0.moe.up_proj.weight_scale_inv"]
+    with pytest.raises(TypeError, match=r"layers\.0\.moe\.up_proj\.weight: .*fp8 needs a weight_scale_inv"):
+        _load(checkpoint)
+
+
+def test_a_wrong_shape_is_an_error():
+    checkpoint = random_step5_checkpoint(_CONFIG, seed=0)
+    checkpoint["layers.1.self_attn.sparse_indexer_q.weight"] = checkpoint["layers.1.self_attn.sparse_indexer_q.weight"][:256]
+    with pytest.raises(ValueError, match=r"sparse_indexer_q\.weight: shape \(256, 64\) does not match the model's \(4096, 64\)"):
+        _load(checkpoint)
+
+
+def test_bf16_experts_load_as_they_are():
+    checkpoint = random_step5_checkpoint(_CONFIG, seed=0, fp8_experts=False)
+    model = Step5Model(_CONFIG)
+    load_step5_state_dict(model, checkpoint)
+    assert torch.equal(model.layers[0].moe.gate_proj.weight, checkpoint["layers.0.moe.gate_proj.weight"])
+
+
+def test_the_released_models_numbers():
+    c = STEP5_REFERENCE
+    assert len(c.layer_types) == 92 and c.layer_types.count(CSA) == 23 and c.layer_types[91] == CSA
+    assert c.layer_types[:4] == (SLIDING, SLIDING, SLIDING, CSA)
+    assert (c.num_heads, c.num_kv_heads, c.head_dim, c.index_num_heads, c.index_heads_per_group) == (64, 4, 192, 16, 4)
+    assert (c.rotary_dim(SLIDING), c.rotary_dim(CSA), c.rope_theta(SLIDING), c.rope_theta(CSA)) == (192, 64, 1e4, 5e6)
+    assert c.rope_scaling(SLIDING) is None and c.rope_scaling(CSA).factor == 2.0
+    assert (c.index_top_k, c.sliding_window, c.moe_num_experts, c.moe_top_k) == (512, 512, 352, 8)
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        ({"index_num_heads": 15}, ValueError, "multiple of num_kv_heads"),
+        ({"num_heads": 5}, ValueError, "multiple of num_kv_heads"),
+        ({"index_proxy_dim": 128}, ValueError, "1024-byte ring rows"),
+        ({"index_rope_dim": 33}, ValueError, "index_rope_dim must be even"),
+        ({"csa_partial_rotary_factor": 0.05}, ValueError, "rotate at least 2"),
+        ({"moe_layers": (2,)}, ValueError, "moe_layers must be distinct layer indices < 2"),
+        ({"moe_top_k": 5}, ValueError, "exceeds moe_num_experts"),
+        ({"layer_types": ("full",)}, ValueError, "layer_types must be"),
+        ({"swiglu_limit": 0.0}, ValueError, "swiglu limits"),
+        ({"head_dim": 16.0}, TypeError, "head_dim must be an int"),
+        ({"index_top_k": 0}, ValueError, "index_top_k must be >= 1"),
+    ],
+)
+def test_bad_configs_are_clear_errors(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        Step5Config(**kwargs)
+
+
+def test_bad_llama3_scaling_is_an_error():
+    with pytest.raises(ValueError, match="low_freq_factor < high_freq_factor"):
+        Llama3RopeScaling(factor=2.0, low_freq_factor=4.0, high_freq_factor=1.0, original_max_position_embeddings=64)
