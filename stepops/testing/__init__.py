@@ -3,7 +3,7 @@
 Builds on ``stepops.ops`` (the samples call the ops); no op module imports this package.
 """
 
-from stepops.testing.memory import StorageSnapshot
+from stepops.testing.storage import StorageSnapshot
 from stepops.testing.registry import OPCHECK_UTILS, OpErrorInput, OpSample, op_error_inputs, op_samples
 from stepops.testing.tolerances import TOLERANCES, Tolerance
 
