@@ -251,7 +251,8 @@ def test_bad_input_raises_clear_errors_in_both_kernels_and_the_fake(name):
 
 
 VALIDATE_CASES = {
-    "slot_out_of_range": ("summary_slot", lambda m: torch.where(m >= 0, m + 1000, m), "summary_slot is >= num_slots"),
+    "slot_out_of_range": ("summary_slot", lambda m: torch.where(m >= 0, m + 1000, m), r"token_summary_slot must be -1 or in \[0, 8\)"),
+    "slot_minus_2": ("summary_slot", lambda m: torch.where(m >= 0, -2, m), r"token_summary_slot must be -1 or in .*got \[-2"),
     "duplicate_slots": ("summary_slot", lambda m: torch.where(m >= 0, m.clamp(min=0).max(), m), "same summary_slot"),
     "ring_base_out_of_range": ("ring_base", lambda m: torch.where(m >= 0, m + 10_000, m), "ring_base is outside"),
     "chunk_past_T": ("chunk_len", lambda m: torch.where(m >= 0, m + 5, m), "run past T"),
@@ -264,6 +265,20 @@ VALIDATE_CASES = {
     "positions_not_consecutive": ("position", lambda m: torch.where(m >= 0, 2 * m, m), "not consecutive"),
     "chunk_len_disagrees": (
         "chunk_len", lambda m: torch.where(torch.arange(m.numel()) == 4, m - 1, m), "tokens 3 and 4 of one chunk",
+    ),
+    "short_seq_lens": (
+        "position", lambda m: torch.where(torch.arange(m.numel()) == 3, -1, m),
+        "token 3 belongs to the chunk at 3 but has position -1: its request's seq_lens is shorter",
+    ),
+    "positions_backwards": (
+        "position", lambda m: torch.where(torch.arange(m.numel()) == 4, m[3] - 1, m),
+        "positions run backwards in one chunk: token 3 at 6, token 4 at 5",
+    ),
+    # Rings at rows 12 and 30: disjoint, inside the ring, but their bases' gcd 6 < capacity 10 shows
+    # metadata built with rows_per_block < capacity (each ring would run into the next block's).
+    "capacity_above_rows_per_block": (
+        "ring_base", lambda m: torch.where(m >= 0, torch.where(m == m[0], 12, 30), m).int(),
+        "capacity 10 exceeds rows_per_block: every ring_base is a multiple of 6 rows",
     ),
     "chunk_covers_padding": ("chunk_len", lambda m: torch.where(m == 9, 10, m), "token 12 is inside the chunk"),
 }  # fmt: skip
@@ -287,6 +302,18 @@ def test_validate_mode_checks_ranges_on_the_host(name):
     metadata = step.metadata._replace(**{field: change(getattr(step.metadata, field))})
     with pytest.raises(ValueError, match=message):
         csa_ring_update(step.index_k, step.index_z, step.ring, step.summary_cache, metadata, 10, validate=True)
+
+
+def test_validate_reports_its_own_message_under_torch_compile():
+    """validate=True runs outside the graph (torch.compiler.disable): its own message under torch.compile,
+    not Dynamo's data-dependent guard error."""
+    field, change, message = VALIDATE_CASES["positions_backwards"]
+    step, _ = _valid_args()
+    metadata = step.metadata._replace(**{field: change(getattr(step.metadata, field))})
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda *args: csa_ring_update(*args, validate=True), backend="eager")
+    with pytest.raises(ValueError, match=message):
+        compiled(step.index_k, step.index_z, step.ring, step.summary_cache, metadata, 10)
 
 
 # ------------------------------------------------------------------------------------------------------

@@ -495,3 +495,34 @@ def test_compiles_fullgraph_and_matches_eager():
             got = compiled(*args, cache, block_table, query_start_loc, seq_lens)
         assert all(torch.equal(g, w) for g, w in zip(got, want))
         assert torch.equal(cache, cache_eager)
+
+
+def _metadata_for_another_block_size():
+    """A step on a cache with N = 16 whose metadata were built with N = 4 (one block table, 8 columns)."""
+    x, weight, cache, _, _, offset = _step(InklingStream.K, prior_lens=(5, 2), new_lens=(2, 1), num_tokens=4, block_size=16)
+    block_table = random_block_table(2, 8, cache.shape[0], generator=torch.Generator().manual_seed(1), device="cpu")
+    metadata = step_metadata((5, 2), (2, 1), block_table, 4, 4)
+    return x, weight, cache, block_table, metadata, offset
+
+
+def test_validate_names_metadata_built_for_another_block_size():
+    x, weight, cache, block_table, metadata, offset = _metadata_for_another_block_size()
+    before = _base(cache).clone()
+    message = "the metadata were built for block size 4, but the cache's block size N is 16"
+    with pytest.raises(ValueError, match=message):
+        sconv(x, weight, cache, block_table, metadata, offset, validate=True)
+    assert torch.equal(_base(cache), before)
+
+
+def test_validate_reports_its_own_message_under_torch_compile():
+    """validate=True syncs, so it runs outside the graph (torch.compiler.disable): under torch.compile it
+    raises its own message, not Dynamo's data-dependent guard error."""
+    x, weight, cache, block_table, metadata, offset = _metadata_for_another_block_size()
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda *args: sconv(*args, validate=True), backend="eager")
+    with pytest.raises(ValueError, match="the metadata were built for block size 4"):
+        compiled(x, weight, cache, block_table, metadata, offset)
+
+
+def test_validate_names_backwards_positions():
+    assert "positions run backwards" in _validate_error(edit_metadata=_set("token_position", 1, 5))
