@@ -49,3 +49,52 @@ def test_inputs_on_different_devices_are_a_value_error():
     """``meta`` tensors stand in for a second device on a CPU-only machine."""
     with pytest.raises(ValueError, match="build_token_metadata: seq_lens is on meta, query_start_loc on cpu"):
         build_token_metadata(torch.tensor([0, 1]), torch.tensor([1], device="meta"), 4)
+
+
+def _i32(values):
+    return torch.tensor(values, dtype=torch.int32)
+
+
+@pytest.mark.parametrize(
+    "qsl, seq_lens, num_tokens, message",
+    [
+        ([1, 3], [5], 4, r"build_token_metadata: query_start_loc must start at 0, got 1"),
+        ([0, 3, 2], [5, 5], 4, r"query_start_loc decreases at request 1 \(3 -> 2\)"),
+        ([0, 3, 6], [5, 9], 4, r"num_tokens = 4 is less than the step's 6 tokens"),
+        ([0, 3, 4], [2, 9], 4, r"seq_lens\[0\] = 2 is less than request 0's 3 tokens in this step"),
+    ],
+)
+def test_inconsistent_steps_are_rejected_on_cpu_naming_the_argument(qsl, seq_lens, num_tokens, message):
+    with pytest.raises(ValueError, match=message):
+        build_token_metadata(_i32(qsl), _i32(seq_lens), num_tokens)
+
+
+def test_num_tokens_and_dtypes_are_checked():
+    with pytest.raises(ValueError, match="num_tokens must be an int >= 0, got -1"):
+        build_token_metadata(_i32([0]), _i32([]), -1)
+    with pytest.raises(TypeError, match="seq_lens must be an integer tensor, got torch.float32"):
+        build_token_metadata(_i32([0, 1]), torch.tensor([3.0]), 2)
+
+
+@pytest.mark.parametrize("num_tokens", [0, 3])
+def test_no_requests_and_no_tokens_in_every_builder(num_tokens):
+    """R = 0 (and T = 0): all padding, from the shared builder and both op builders."""
+    from stepops.ops.csa_ring_update import build_csa_ring_metadata
+    from stepops.ops.sconv import build_sconv_metadata
+
+    qsl, seq_lens = _i32([0]), _i32([])
+    pad = [[-1] * num_tokens]
+    assert [t.tolist() for t in build_token_metadata(qsl, seq_lens, num_tokens)] == pad * 3
+    sconv = build_sconv_metadata(qsl, seq_lens, torch.zeros(0, 2, dtype=torch.int32), 4, num_tokens)
+    assert [t.tolist() for t in sconv] == pad * 4
+    ring = build_csa_ring_metadata(qsl, seq_lens, _i32([]), 10, torch.zeros(0, 1, dtype=torch.int32), 4, num_tokens)
+    assert [t.tolist() for t in ring] == pad * 5
+    # T = 0 with requests: every request has zero tokens in this step.
+    assert [t.tolist() for t in build_token_metadata(_i32([0, 0, 0]), _i32([4, 7]), 0)] == [[]] * 3
+
+
+def test_csa_builder_rejects_a_negative_ring_block_on_cpu():
+    from stepops.ops.csa_ring_update import build_csa_ring_metadata
+
+    with pytest.raises(ValueError, match=r"build_csa_ring_metadata: ring_blocks\[1\] = -1 for a request with tokens"):
+        build_csa_ring_metadata(_i32([0, 1, 3]), _i32([4, 9]), _i32([0, -1]), 10, torch.zeros(2, 1, dtype=torch.int32), 4, 4)
