@@ -261,6 +261,27 @@ def test_ring_update_writes_rows_of_its_block_only():
     assert torch.equal(summary_cache, torch.full((4, 256), 3.0, dtype=torch.bfloat16))
 
 
+@pytest.mark.parametrize("num_tokens, num_requests", [(0, 1), (3, 0), (0, 0)])
+def test_ring_runs_an_empty_step(num_tokens, num_requests):
+    """T = 0 and R = 0 through the owner's builder and update: nothing is written."""
+    context = {}
+    _main_layer(context)
+    ring = _ring(context, k=0)
+    buffer = torch.full((3 * 24 * 512,), -7.0, dtype=torch.bfloat16)
+    ring.bind_kv_cache(buffer.as_strided((3, 16, 1, 512), (24 * 512, 512, 512, 1)))
+    metadata = ring.metadata_builder(summary_block_size=4).build(
+        query_start_loc=torch.zeros(num_requests + 1, dtype=torch.int32),
+        seq_lens=torch.full((num_requests,), 9, dtype=torch.int32),
+        ring_blocks=torch.zeros(num_requests, dtype=torch.int32),
+        summary_block_table=torch.zeros(num_requests, 1, dtype=torch.int32),
+        num_tokens=num_tokens,
+    )
+    summary_cache = torch.full((4, 256), 3.0, dtype=torch.bfloat16)
+    index = torch.randn(num_tokens, 256).to(torch.bfloat16)
+    ring.update(index, index, summary_cache, metadata, validate=True)
+    assert bool((buffer == -7.0).all()) and bool((summary_cache == 3.0).all())
+
+
 def test_ring_update_and_builder_need_a_bound_cache():
     context = {}
     _main_layer(context)
@@ -433,6 +454,34 @@ def test_conv_runs_one_stream_at_its_offset():
         conv.conv(InklingStream.K, x[:, :32], weight, block_table, metadata)
     with pytest.raises(TypeError, match="stream must be an InklingStream, got 1"):
         conv.conv(1, x, weight, block_table, metadata)
+
+
+@pytest.mark.parametrize("num_tokens, num_requests", [(0, 1), (2, 0), (0, 0)])
+def test_conv_runs_an_empty_step(num_tokens, num_requests):
+    """T = 0 and R = 0 through the owner: an all-padding (or empty) step writes nothing, y is zeros."""
+    conv = _conv_state({})
+    cache = torch.full((2, 4, 4, 128), -5.0, dtype=torch.bfloat16)
+    conv.bind_kv_cache(cache)
+    block_table = torch.ones(num_requests, 1, dtype=torch.int32)
+    qsl, seq_lens = torch.zeros(num_requests + 1, dtype=torch.int32), torch.full((num_requests,), 3, dtype=torch.int32)
+    metadata = conv.metadata_builder().build(qsl, seq_lens, block_table, num_tokens)
+    x, weight = torch.randn(num_tokens, 64).to(torch.bfloat16), torch.randn(64, 4).to(torch.bfloat16)
+    y = conv.conv(InklingStream.K, x, weight, block_table, metadata, validate=True)
+    assert y.shape == (num_tokens, 64) and not y.any()
+    assert bool((cache == -5.0).all())
+
+
+def test_conv_out_of_range_slot_raises_before_writing_naming_op_and_argument():
+    conv = _conv_state({})
+    cache = torch.full((2, 4, 4, 128), -5.0, dtype=torch.bfloat16)
+    conv.bind_kv_cache(cache)
+    block_table = torch.tensor([[1]], dtype=torch.int32)
+    metadata = conv.metadata_builder().build(torch.tensor([0, 3]), torch.tensor([3]), block_table, 3)
+    metadata = metadata._replace(slot_mapping=metadata.slot_mapping.clone().index_fill_(0, torch.tensor([2]), 8))
+    x, weight = torch.randn(3, 64).to(torch.bfloat16), torch.randn(64, 4).to(torch.bfloat16)
+    with pytest.raises(ValueError, match=r"sconv: slot_mapping must be -1 or in \[0, 8\); got \[8\] at tokens \[2\]"):
+        conv.conv(InklingStream.K, x, weight, block_table, metadata)
+    assert bool((cache == -5.0).all())
 
 
 def test_conv_needs_a_bound_cache():

@@ -147,11 +147,13 @@ class InklingConvState(nn.Module):
         *,
         residual: bool = True,
         silu: bool = False,
+        errors: torch.Tensor | None = None,
         validate: bool = False,
     ) -> torch.Tensor:
         """Run ``stream``'s short conv on ``x`` ``[T, H * width]`` bf16 with ``weight`` ``[H * width, W]``:
         store each token's input in the bound cache and return ``y`` ``[T, H * width]`` bf16
-        (see :func:`stepops.sconv`)."""
+        (see :func:`stepops.sconv`; ``errors`` is its optional device-side count of tokens with
+        out-of-range ids)."""
         if self.kv_cache.dim() != 4:
             raise ValueError(f"Inkling conv state {self.prefix} has no cache bound yet")
         # isinstance and .value, not InklingStream(stream) or an IntEnum index: Dynamo (torch 2.13) recurses
@@ -164,5 +166,6 @@ class InklingConvState(nn.Module):
                 f"{stream.name} stream input must be [T, {self.num_kv_heads * width}] (H * width), got {tuple(x.shape)}"
             )
         return sconv(
-            x, weight, self.kv_cache, block_table, metadata, offset, residual=residual, silu=silu, validate=validate
-        )
+            x, weight, self.kv_cache, block_table, metadata, offset, residual=residual, silu=silu, errors=errors,
+            validate=validate,
+        )  # fmt: skip
