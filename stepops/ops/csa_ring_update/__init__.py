@@ -83,7 +83,7 @@ def validate_csa_ring_update_inputs(
         )
     # Each token after its chunk's first agrees with the one before it; each before its chunk's last is
     # followed by one of the same chunk. By induction the chunk is exactly rows [chunk_start, chunk_end).
-    previous = torch.cat([token.new_full((1,), -1), token[:-1]]).clamp(min=0)
+    previous = (token - 1).clamp(min=0)
     follows = real & (token > chunk_start)
     same = (
         (chunk_start[previous] == chunk_start)
@@ -105,7 +105,7 @@ def validate_csa_ring_update_inputs(
             f"csa_ring_update: tokens {t - 1} and {t} of one chunk disagree on chunk_start, chunk_len or "
             f"ring_base, or their positions ({int(position[t - 1])}, {int(position[t])}) are not consecutive"
         )
-    following = torch.cat([token[1:], token.new_zeros(1)])
+    following = (token + 1).clamp(max=max(num_tokens - 1, 0))
     cut = real & (token + 1 < chunk_end) & (chunk_start[following] != chunk_start)
     if bool(cut.any()):
         t = int(cut.nonzero()[0])
