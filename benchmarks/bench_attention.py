@@ -21,27 +21,13 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.harness import Settings, median_us
+from stepops.testing.memory import peak_transient_bytes
 
 NUM_REQUESTS = 64
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 4, 2, 16, 16  # the tiny Step5/Inkling configs
 CONTEXTS = (1024, 4096, 16384)
-
-
-def peak_transient_bytes(fn: Callable[[], Any]) -> int:
-    """Peak of (bytes allocated - bytes freed) on the CPU allocator while ``fn()`` runs."""
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    events = sorted(
-        (e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"), key=lambda e: e.start_ns()
-    )
-    live = peak = 0
-    for event in events:
-        live += event.nbytes()
-        peak = max(peak, live)
-    return peak
 
 
 def _decode_step(context: int, device: torch.device):

@@ -1,60 +1,26 @@
-"""Byte-level checks of what an op wrote: every byte of the storages behind its arguments, before and after.
-
-Caches in samples and error inputs are views into larger buffers (``stepops._library.guarded``, page
-strides), so "nothing outside the given tensors changed" is a statement about real, allocated bytes.
-"""
+"""Peak transient memory of a call on the CPU allocator (tests and benchmarks of paged attention)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable
+from typing import Any
 
-import torch
-
-
-def _storage_bytes(tensor: torch.Tensor) -> torch.Tensor:
-    """A uint8 view of every byte of ``tensor``'s storage."""
-    return torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(tensor.untyped_storage())
+from torch.profiler import ProfilerActivity, profile
 
 
-def _view_bytes(tensor: torch.Tensor) -> torch.Tensor:
-    """Bool mask over the storage's bytes: True where ``tensor`` (a view of any strides) has an element."""
-    storage = _storage_bytes(tensor)
-    covered = torch.zeros(storage.numel(), dtype=torch.bool, device=tensor.device)
-    if tensor.numel() == 0:
-        return covered
-    size = tensor.element_size()
-    first = torch.arange(storage.numel() // size, device=tensor.device)
-    first = first.as_strided(tensor.shape, tensor.stride(), tensor.storage_offset()).reshape(-1) * size
-    for byte in range(size):
-        covered[first + byte] = True
-    return covered
+def peak_transient_bytes(fn: Callable[[], Any]) -> int:
+    """Peak of (bytes allocated - bytes freed) while ``fn()`` runs: memory beyond what existed before it.
 
-
-class StorageSnapshot:
-    """Copies of every byte behind ``tensors`` (one per storage), taken at construction."""
-
-    def __init__(self, tensors: Iterable[object]) -> None:
-        self._tensors = [t for t in tensors if isinstance(t, torch.Tensor)]
-        self._before: dict[int, torch.Tensor] = {}
-        for t in self._tensors:
-            self._before.setdefault(t.untyped_storage().data_ptr(), _storage_bytes(t).clone())
-
-    def changed_bytes(self) -> int:
-        """How many bytes of all the storages differ from the snapshot."""
-        return sum(
-            int((_storage_bytes(self._first(ptr)) != before).sum()) for ptr, before in self._before.items()
-        )
-
-    def changed_outside_views(self) -> int:
-        """How many changed bytes no argument tensor covers (writes outside the tensors the op was given)."""
-        total = 0
-        for ptr, before in self._before.items():
-            inside = torch.zeros_like(before, dtype=torch.bool)
-            for t in self._tensors:
-                if t.untyped_storage().data_ptr() == ptr:
-                    inside |= _view_bytes(t)
-            total += int(((_storage_bytes(self._first(ptr)) != before) & ~inside).sum())
-        return total
-
-    def _first(self, ptr: int) -> torch.Tensor:
-        return next(t for t in self._tensors if t.untyped_storage().data_ptr() == ptr)
+    Reads ``torch.profiler``'s memory events, which every CPU allocation through c10's allocator reports
+    (ATen ops and Inductor's generated code alike), in time order.
+    """
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = sorted(
+        (e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"), key=lambda e: e.start_ns()
+    )
+    live = peak = 0
+    for event in events:
+        live += event.nbytes()
+        peak = max(peak, live)
+    return peak

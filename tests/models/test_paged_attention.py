@@ -30,6 +30,7 @@ from stepops.models.paged_attention import (
     streaming_topk,
 )
 from stepops.ops.step_metadata import TokenMetadata, build_token_metadata
+from stepops.testing.memory import peak_transient_bytes
 
 HQ, HKV, D, DV = 4, 2, 8, 6  # Dv != D: a K/V mix-up cannot pass
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2**-10, rtol=2**-7)}
@@ -288,6 +289,20 @@ def test_compiled_fullgraph_matches_eager(backend):
             assert torch.equal(g, w)
         else:  # Inductor fuses the fp32 sums in another order: the bf16 rule above
             torch.testing.assert_close(g.float(), w.float(), **TOL[torch.bfloat16])
+
+
+def test_compiled_memory_does_not_grow_with_the_context():
+    """Inductor may schedule a static loop's independent chunks together (it did: every chunk's gather
+    fused into one kernel); a decode step's compiled peak must stay that of one chunk from 1 to 4 chunks."""
+    peaks = []
+    for context in (16, 64):
+        step = make_step([context - 1] * 8, [1] * 8, 8, block_size=4, max_blocks=context // 4)
+        args = (step.query, step.kv_cache, step.block_table, step.token)
+        torch._dynamo.reset()
+        fn = torch.compile(lambda *a: paged_attention(*a, scale=0.5, query_tile=1, keys_per_chunk=16), fullgraph=True)
+        fn(*args)
+        peaks.append(peak_transient_bytes(lambda: fn(*args)))
+    assert peaks[1] <= 1.5 * peaks[0], peaks
 
 
 @pytest.mark.parametrize(
