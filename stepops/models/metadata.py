@@ -45,6 +45,8 @@ def paged_slot_mapping(token: TokenMetadata, block_table: torch.Tensor, block_si
     unallocated (``-1``) block entry: such a token has no slot of its own, and any slot made up for it
     would be another position's (the runner sizes its tables so that real tokens never hit these cases).
     """
+    if block_table.numel() == 0:  # R = 0 (or no columns): no token has a slot, and there is nothing to gather
+        return torch.full_like(token.position, -1)
     request = token.request.long().clamp(min=0)
     position = token.position.long().clamp(min=0)
     column = position // block_size
@@ -123,6 +125,8 @@ def build_step5_metadata(
     column = (region // summary_block_size).clamp(max=buffers.summary_block_table.shape[1] - 1)
     table = buffers.summary_block_table.long().clamp(min=0)
     request_slots = table[:, column] * summary_block_size + region % summary_block_size  # [R, num_regions]
+    if request_slots.shape[0] == 0:  # R = 0: every token is padding; one dummy row keeps the gather in range
+        request_slots = request_slots.new_zeros(1, num_regions)
     summary_slots = request_slots[token.request.long().clamp(min=0)]
     return Step5StepMetadata(
         token=token,

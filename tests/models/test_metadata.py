@@ -63,3 +63,20 @@ def test_layers_must_share_block_sizes():
     second.attn.bind_kv_cache(torch.zeros(kv.shape[0], 2 * block_size, *kv.shape[2:], dtype=kv.dtype))
     with pytest.raises(ValueError, match=rf"got layers.0.attn: {block_size}, layers.1.attn: {2 * block_size}$"):
         model.attn_block_size
+
+
+@pytest.mark.parametrize("num_tokens", [0, 3])
+def test_model_metadata_of_a_step_without_requests(num_tokens):
+    """R = 0 (and T = 0): every token is padding, no slot anywhere, and nothing gathers from an empty table."""
+    from stepops.models.metadata import StepBuffers, build_inkling_metadata, build_step5_metadata
+
+    def empty(*shape):
+        return torch.zeros(*shape, dtype=torch.int32)
+
+    buffers = StepBuffers(empty(1), empty(0), empty(0, 4), empty(0), empty(0, 2), empty(0, 3))
+    step5 = build_step5_metadata(buffers, num_tokens, attn_block_size=16, rows_per_block=10, summary_block_size=4)
+    inkling = build_inkling_metadata(buffers, num_tokens, attn_block_size=16, conv_block_size=4)
+    pad = [-1] * num_tokens
+    assert step5.attn_slot_mapping.tolist() == pad and step5.ring.summary_slot.tolist() == pad
+    assert step5.summary_slots.shape[0] == num_tokens
+    assert inkling.attn_slot_mapping.tolist() == pad and inkling.sconv.slot_mapping.tolist() == pad
