@@ -18,10 +18,12 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from conftest import triton_device
-from test_csa_ring_update_exp import numpy_exp
+import triton
+import triton.language as tl
+from test_csa_ring_update_exp import _two_exp_fold, numpy_exp
 from stepops.ops.csa_ring_update import CSARingMetadata, build_csa_ring_metadata, csa_ring_update
 from stepops.ops.csa_ring_update.samples import SUMMARY_BLOCK_SIZE, make_step
-from stepops.ops.csa_ring_update.triton_kernel import csa_ring_update_triton
+from stepops.ops.csa_ring_update.triton_kernel import _fold_step, csa_ring_update_triton
 from stepops.testing import TOLERANCES, op_samples
 
 _SAMPLES = list(op_samples(op_name="csa_ring_update"))
@@ -383,6 +385,39 @@ def test_docs_example_runs():
     assert blocks, "the csa_ring_update section has a python example"
     for code in blocks:
         exec(compile(code, "docs/ops.md", "exec"), {})
+
+
+@triton.jit
+def _fold_rows(k_ptr, z_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    """The Triton kernel's fold of 8 ``[n]`` fp32 rows with its own ``_fold_step``, stored in fp32 (no
+    rounding to bf16): rows 0..7 in order, then ``div_rn(a, s)`` as the kernel divides."""
+    d = tl.arange(0, BLOCK)
+    mask = d < n
+    m = tl.load(z_ptr + d, mask=mask, other=0.0)
+    a = tl.load(k_ptr + d, mask=mask, other=0.0)
+    s = tl.full([BLOCK], 1.0, dtype=tl.float32)
+    for j in tl.static_range(1, 8):
+        z = tl.load(z_ptr + j * n + d, mask=mask, other=0.0)
+        k = tl.load(k_ptr + j * n + d, mask=mask, other=0.0)
+        m, s, a = _fold_step(m, s, a, z, k)
+    tl.store(out_ptr + d, tl.math.div_rn(a, s), mask=mask)
+
+
+@pytest.mark.parametrize("z_scale", [1.0, 30.0])
+def test_triton_fold_step_is_the_documented_fold_bitwise_in_fp32(z_scale):
+    """The Triton kernel's fold step, in fp32 before the bf16/fp8 rounding that hides an ulp, against the
+    documented two-exp fold in numpy (``test_csa_ring_update_exp``): equal bits, ties and underflow
+    included. A changed order, an fp32 library exp or a fused multiply-add in ``_fold_step`` fails here."""
+    if triton_device().type != "cpu":
+        pytest.skip("the interpreter's numpy arithmetic is the reference's; a GPU's exp path is checked by the GPU tests")
+    generator = torch.Generator().manual_seed(5)
+    z = (torch.randn(8, 1024, generator=generator) * z_scale).bfloat16().float()
+    z[3] = z[2]
+    k = torch.randn(8, 1024, generator=generator).bfloat16().float()
+    out = torch.empty(1024)
+    _fold_rows[(1,)](k, z, out, 1024, BLOCK=1024)
+    want = _two_exp_fold(k.numpy(), z.numpy())
+    assert np.array_equal(out.numpy().view(np.uint32), want.view(np.uint32))
 
 
 def test_summary_matches_textbook_softmax_within_tolerance():
