@@ -271,6 +271,11 @@ class IndexerKeyNorm(nn.Module):
         return ((x32 - mean) * rstd * w + b).to(x.dtype)
 
 
+def round_to_e4m3(x: torch.Tensor) -> torch.Tensor:
+    """``x`` rounded to float8_e4m3fn (``Tensor.to``, as the reference's ``round_activations_e4m3``), in fp32."""
+    return x.to(torch.float8_e4m3fn).float()
+
+
 def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
     """``silu(gate).clamp(max=limit) * up.clamp(-limit, limit)`` in fp32, rounded once to ``gate.dtype``."""
     return (F.silu(gate.float()).clamp(max=limit) * up.float().clamp(-limit, limit)).to(gate.dtype)
@@ -484,9 +489,8 @@ class Step5DecoderLayer(nn.Module):
         # Ring rows and the e4m3 summaries of every region a token of this step closes; later tokens of the
         # step read those summaries below (the op runs first in program order).
         self.csa_ring.update(ik, iz, self.summary_cache, metadata.ring)
-        fp8 = torch.float8_e4m3fn
-        summaries = self.summary_cache[metadata.summary_slots].view(fp8).float()  # [T, R, 256]
-        iq8 = iq.to(fp8).float().view(num_tokens, groups, per_group, c.index_proxy_dim)
+        summaries = self.summary_cache[metadata.summary_slots].view(torch.float8_e4m3fn).float()  # [T, R, 256]
+        iq8 = round_to_e4m3(iq).view(num_tokens, groups, per_group, c.index_proxy_dim)
         per_head = torch.einsum("tghp,trp->tghr", iq8, summaries)
         scores = (F.relu(per_head) * weights.view(num_tokens, groups, per_group, 1)).sum(2)  # [T, G, R]
         region = torch.arange(scores.shape[-1], device=h.device)
