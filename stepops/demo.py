@@ -33,7 +33,8 @@ from torch._dynamo.utils import counters
 from stepops.models import InklingConfig, InklingModel, Step5Config, Step5Model
 from stepops.testing.recompute import compare_with_recompute
 from stepops.models.runner import COMPILED, CUDA_GRAPH, EAGER, StepRunner, Workload, run_workload
-from stepops.models.tensor_parallel import shard_inkling_state_dict, spawn_ranks
+from stepops.models.inkling import shard_inkling_state_dict
+from stepops.models.tensor_parallel import spawn_ranks
 from stepops.testing.tolerances import TOLERANCES
 
 WORKLOAD = Workload()

@@ -2,9 +2,11 @@
 
 - :mod:`stepops.models.step5`: :class:`Step5Config`, :class:`Step5DecoderLayer` (sliding-window and CSA
   layers), :class:`Step5Model`.
-- :mod:`stepops.models.inkling`: :class:`InklingConfig`, :class:`InklingDecoderLayer`, :class:`InklingModel`.
-- :mod:`stepops.models.tensor_parallel`: Inkling over a ``torch.distributed`` group (the collectives, the
-  state-dict slicer :func:`~stepops.models.tensor_parallel.shard_inkling_state_dict`, ``spawn_ranks``).
+- :mod:`stepops.models.inkling`: :class:`InklingConfig`, :class:`InklingDecoderLayer`, :class:`InklingModel`
+  (transformers 5.23.0's Inkling text decoder) and its tensor-parallel slicer ``shard_inkling_state_dict``.
+- :mod:`stepops.models.inkling_checkpoint`: ``load_inkling`` (a transformers checkpoint directory).
+- :mod:`stepops.models.tensor_parallel`: a ``torch.distributed`` group as the layers see it (the
+  collectives, the generic state-dict slicer, ``spawn_ranks``); imports no model.
 - :mod:`stepops.models.metadata`: the step's fixed-size buffers and the on-device metadata builders.
 - :mod:`stepops.models.runner`: :class:`StepRunner` (eager, compiled, CUDA graphs) and the scripted workload.
 - :mod:`stepops.models.step5_weights`: loading a Step5 checkpoint in StepFun's reference names (fp8 experts).

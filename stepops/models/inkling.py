@@ -1,95 +1,291 @@
-"""Inkling decoder layers on the stepops cache ops.
+"""The Inkling text decoder (transformers 5.23.0's ``InklingForCausalLM``) on the stepops cache ops.
 
-A layer step takes the step's flattened hidden states ``[T, hidden]`` bf16 and its
-:class:`InklingStepMetadata` and returns ``[T, hidden]``:
+A step takes the step's flattened tokens (ids ``[T]`` int64, or hidden states ``[T, hidden]`` bf16) and
+its :class:`InklingStepMetadata`; each decoder layer maps ``[T, hidden]`` to ``[T, hidden]``:
 
-    h = RMSNorm(x);  q, k, v = q_proj(h), k_proj(h), v_proj(h)
+    h = RMSNorm(x);  q, k, v, r = q_proj(h), k_proj(h), v_proj(h), r_proj(h)
     k = sconv_K(k);  v = sconv_V(v)                  (short convs before the q/k norm)
-    q, k = RMSNorm_q(q), RMSNorm_k(k) per head;  rope(q, k)
-    paged_kv_write(k, v -> this layer's KV cache);  GQA attention, causal, sliding-window or global
+    q, k = RMSNorm_q(q), RMSNorm_k(k) per head       (no rope: a relative position bias instead)
+    bias[t, h, d] = r[t, h] . rel_proj[:, d] for backward distance 0 <= d < rel_extent, else 0
+    global layers with log scaling: q, bias *= 1 + alpha log(max((pos + 1) / n_floor, 1))
+    paged_kv_write(k, v);  softmax(q k / head_dim + bias) v over the causal (sliding-window) keys
     x = x + sconv_ATTN(o_proj(attn))
-    x = x + sconv_MLP(SwiGLU(RMSNorm(x)))
+    x = x + sconv_MLP(MLP(RMSNorm(x)))               (dense SwiGLU, or sigmoid-routed experts + shared)
 
-Each short conv is ``stepops::sconv`` (width ``W``, its own residual, fp32, rounded once) on its stream's
-range of the layer's one conv-state cache (:class:`stepops.owners.InklingConvState`); the attention KV
-cache is a :class:`stepops.owners.PagedAttentionLayer`. Both are allocated and bound by
-:func:`stepops.allocator.allocate_kv_caches`.
+Sliding-window layers have their own geometry (``swa_num_heads``, ``swa_num_kv_heads``, ``swa_head_dim``)
+and ``rel_extent = sliding_window``. The model: ``RMSNorm(embed(ids))`` -> layers -> ``RMSNorm`` ->
+``lm_head(x / logits_mup_width_multiplier)`` -> the first ``unpadded_vocab_size`` logits.
 
-Tensor parallel (a ``process_group`` of ``tp > 1`` ranks, :mod:`stepops.models.tensor_parallel`): q/k/v
-and the MLP's gate/up are column-parallel (the rank's heads and intermediate channels), ``o_proj`` and the
-MLP's down row-parallel (partial sums over the full hidden); both caches hold only the rank's KV heads.
-The K/V convs run on the rank's heads; each output-stream conv runs on the rank's hidden shard:
+Each short conv is ``stepops::sconv`` (width ``W``, its own residual, fp32, fp32 weights, rounded once) on
+its stream's range of the layer's one conv-state cache (:class:`stepops.owners.InklingConvState`); the
+attention KV cache is a :class:`stepops.owners.PagedAttentionLayer`. Both follow the layer's own heads and
+head size and are allocated and bound by :func:`stepops.allocator.allocate_kv_caches`.
+
+Tensor parallel (a ``process_group`` of ``tp > 1`` ranks, :mod:`stepops.models.tensor_parallel`): q/k/v/r
+and every MLP's gate/up (dense, each routed expert, each shared expert) are column-parallel (the rank's
+heads and intermediate channels), ``o_proj`` and the downs row-parallel (partial sums over the full
+hidden); the router, norms, embedding and head are replicated, so every rank routes every token the same
+way. Both caches hold only the rank's KV heads; each output-stream conv runs on the rank's hidden shard:
 
     x = x + all_gather(sconv_ATTN(reduce_scatter(o_proj(attn))))     [T, hidden] -> [T, hidden/tp] -> back
-    x = x + all_gather(sconv_MLP(reduce_scatter(down(...))))
+    x = x + all_gather(sconv_MLP(reduce_scatter(mlp(...))))
 """
 
 from __future__ import annotations
 
-from collections.abc import MutableMapping
-from dataclasses import dataclass, field
+import math
+from collections.abc import Mapping, MutableMapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 
 from stepops.allocator import KVCaches, allocate_kv_caches
-from stepops.layouts import InklingStream
-from stepops.models.layers import RMSNorm, SwiGLU, gather_paged_keys, masked_attention, rope_neox
-from stepops.models.metadata import (
-    InklingStepMetadata,
-    StepBuffers,
-    bound_size,
-    build_inkling_metadata,
-    common_attn_block_size,
-    common_size,
+from stepops.layouts import InklingConvStateLayout, InklingStream
+from stepops.models.layers import gather_paged_keys, masked_attention
+from stepops.models.metadata import InklingStepMetadata, StepBuffers, bound_size, build_inkling_metadata
+from stepops.models.tensor_parallel import (
+    ShardRule,
+    TensorParallel,
+    all_gather_hidden,
+    reduce_scatter_hidden,
+    shard_state_dict,
 )
-from stepops.models.tensor_parallel import TensorParallel, all_gather_hidden, check_inkling_tp, reduce_scatter_hidden
 from stepops.ops.paged_kv_write import paged_kv_write
 from stepops.owners import InklingConvState, PagedAttentionLayer
 
 SLIDING = "sliding"
 GLOBAL = "global"
+DENSE = "dense"
+SPARSE = "sparse"
 
 
 @dataclass(frozen=True)
 class InklingConfig:
-    """Inkling decoder numbers; the default is tiny (CPU tests)."""
+    """Inkling text-decoder numbers (``InklingTextConfig``'s, under the names below); the default is tiny.
 
+    Global layers have ``num_heads`` / ``num_kv_heads`` / ``head_dim`` and ``rel_extent``; sliding-window
+    layers ``swa_num_heads`` / ``swa_num_kv_heads`` / ``swa_head_dim`` and ``rel_extent = sliding_window``.
+    ``mlp_layer_types`` ``None`` makes every layer sparse (transformers' default). ``block_size`` is the
+    attention KV cache's declared block size (the allocator may enlarge it).
+    """
+
+    vocab_size: int = 128
+    unpadded_vocab_size: int | None = None
     hidden_size: int = 64
     num_heads: int = 4
     num_kv_heads: int = 2
     head_dim: int = 16
+    swa_num_heads: int = 4
+    swa_num_kv_heads: int = 2
+    swa_head_dim: int = 8
     intermediate_size: int = 128
+    moe_intermediate_size: int = 32
+    n_routed_experts: int = 4
+    num_experts_per_tok: int = 2
+    n_shared_experts: int = 1
+    route_scale: float = 2.0
     conv_kernel_size: int = 4
     sliding_window: int = 16
-    block_size: int = 16
+    d_rel: int = 4
+    rel_extent: int = 24
+    log_scaling_n_floor: int | None = 8
+    log_scaling_alpha: float = 0.1
+    logits_mup_width_multiplier: float = 2.0
     rms_norm_eps: float = 1e-6
-    rope_theta: float = 10000.0
-    layer_types: tuple[str, ...] = field(default=(SLIDING, GLOBAL))
+    block_size: int = 16
+    layer_types: tuple[str, ...] = (SLIDING, GLOBAL)
+    mlp_layer_types: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
-        if self.hidden_size % self.num_kv_heads:
-            raise ValueError(f"hidden_size ({self.hidden_size}) must split over num_kv_heads ({self.num_kv_heads})")
+        if self.mlp_layer_types is None:
+            object.__setattr__(self, "mlp_layer_types", (SPARSE,) * len(self.layer_types))
         if any(kind not in (SLIDING, GLOBAL) for kind in self.layer_types):
             raise ValueError(f"layer_types must be {SLIDING!r} or {GLOBAL!r}, got {self.layer_types}")
+        if len(self.mlp_layer_types) != len(self.layer_types) or any(
+            kind not in (DENSE, SPARSE) for kind in self.mlp_layer_types
+        ):
+            raise ValueError(
+                f"mlp_layer_types must give {DENSE!r} or {SPARSE!r} for each of the {len(self.layer_types)} layers, "
+                f"got {self.mlp_layer_types}"
+            )
+        for kind in (SLIDING, GLOBAL):
+            heads, kv_heads, _ = self.attention_geometry(kind)
+            if heads % kv_heads:
+                raise ValueError(f"{kind} layers: query heads ({heads}) must be a multiple of KV heads ({kv_heads})")
+        if SPARSE in self.mlp_layer_types and not 0 < self.num_experts_per_tok <= self.n_routed_experts:
+            raise ValueError(
+                f"num_experts_per_tok ({self.num_experts_per_tok}) must be in 1..n_routed_experts ({self.n_routed_experts})"
+            )
+        if SPARSE in self.mlp_layer_types and self.n_shared_experts < 1:
+            raise ValueError("sparse MLP layers need n_shared_experts >= 1 (the router's softmax includes them)")
+        if self.unpadded_vocab_size is not None and not 0 < self.unpadded_vocab_size <= self.vocab_size:
+            raise ValueError(f"unpadded_vocab_size ({self.unpadded_vocab_size}) must be in 1..vocab_size ({self.vocab_size})")
+
+    def attention_geometry(self, kind: str) -> tuple[int, int, int]:
+        """``(query heads, KV heads, head_dim)`` of a ``kind`` (sliding or global) layer, all ranks."""
+        if kind == SLIDING:
+            return self.swa_num_heads, self.swa_num_kv_heads, self.swa_head_dim
+        return self.num_heads, self.num_kv_heads, self.head_dim
+
+    @property
+    def output_vocab_size(self) -> int:
+        """Logits per token: ``unpadded_vocab_size`` when the head is padded, else ``vocab_size``."""
+        return self.unpadded_vocab_size or self.vocab_size
+
+
+def check_inkling_tp(config: InklingConfig, tp_size: int) -> None:
+    """Raise ``ValueError`` unless ``config`` shards over ``tp_size`` ranks by whole KV heads.
+
+    Every layer kind in use needs ``tp_size <= num_kv_heads`` and divisibility (the conv-state layout's
+    own errors); the intermediate sizes of the MLP kinds in use must divide by ``tp_size``.
+    """
+    for kind in sorted(set(config.layer_types)):
+        _, kv_heads, head_dim = config.attention_geometry(kind)
+        InklingConvStateLayout(
+            num_kv_heads=kv_heads,
+            head_dim=head_dim,
+            hidden_size=config.hidden_size,
+            kernel_size=config.conv_kernel_size,
+            tp_size=tp_size,
+        )
+    sizes = {DENSE: ("intermediate_size", config.intermediate_size)}
+    sizes[SPARSE] = ("moe_intermediate_size", config.moe_intermediate_size)
+    for kind in sorted(set(config.mlp_layer_types)):
+        name, size = sizes[kind]
+        if size % tp_size:
+            raise ValueError(f"{name} ({size}) must be divisible by the tensor-parallel size ({tp_size})")
+
+
+class InklingRMSNorm(nn.Module):
+    """transformers' ``InklingRMSNorm``: normalise in fp32, round to ``x.dtype``, then ``weight *`` in the
+    weight's dtype (the order matters in bf16: one more rounding than the shared :class:`RMSNorm`)."""
+
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        return self.weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+
+
+def _linear(in_features: int, out_features: int, dtype: torch.dtype) -> nn.Linear:
+    return nn.Linear(in_features, out_features, bias=False, dtype=dtype)
+
+
+def _randn(*shape: int, dtype: torch.dtype, std: float = 0.02) -> nn.Parameter:
+    return nn.Parameter(torch.randn(*shape, dtype=torch.float32).mul_(std).to(dtype))
+
+
+class InklingMLP(nn.Module):
+    """Dense SwiGLU ``down(silu(gate(x)) * up(x)) * global_scale`` (``intermediate`` = this rank's share)."""
+
+    def __init__(self, hidden: int, intermediate: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.gate_proj = _linear(hidden, intermediate, dtype)
+        self.up_proj = _linear(hidden, intermediate, dtype)
+        self.down_proj = _linear(intermediate, hidden, dtype)
+        self.global_scale = nn.Parameter(torch.ones(1, dtype=dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x)) * self.global_scale
+
+
+class InklingRouter(nn.Module):
+    """Sigmoid router over ``E`` routed + ``S`` shared experts, in fp32 (transformers' ``InklingTopkRouter``).
+
+    ``x [T, hidden]`` -> ``weights [T, E]`` in ``x.dtype`` (the chosen top-k experts' weights, 0 for the
+    others) and ``shared_gammas [T, S]``. The top-k is chosen on ``sigmoid(logit) + e_score_correction_bias``;
+    the chosen and shared experts' weights are a softmax of their ``logsigmoid(logit)`` times
+    ``route_scale * global_scale``. Static shapes: a dense ``[T, E]`` weight table, no token lists.
+    """
+
+    def __init__(self, config: InklingConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        c = config
+        self.num_experts, self.num_shared, self.top_k = c.n_routed_experts, c.n_shared_experts, c.num_experts_per_tok
+        self.route_scale = c.route_scale
+        self.weight = _randn(c.n_routed_experts + c.n_shared_experts, c.hidden_size, dtype=dtype)
+        # fp32 whatever the model's dtype (transformers keeps both in fp32).
+        self.global_scale = nn.Parameter(torch.ones(1))
+        self.register_buffer("e_score_correction_bias", torch.zeros(c.n_routed_experts))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = F.linear(x.float(), self.weight.float())
+        routed_logits, shared_logits = logits[:, : self.num_experts], logits[:, self.num_experts :]
+        choice = logits.sigmoid()[:, : self.num_experts] + self.e_score_correction_bias.float()
+        # sorted=False as transformers does: the order of the k entries is the order logsumexp sums them in.
+        chosen = torch.topk(choice, self.top_k, dim=-1, sorted=False)[1]
+        log_probs = F.logsigmoid(torch.cat([routed_logits.gather(-1, chosen), shared_logits], dim=-1))
+        probs = torch.exp(log_probs - torch.logsumexp(log_probs, dim=-1, keepdim=True))
+        probs = (probs * self.route_scale * self.global_scale.float()).to(x.dtype)
+        weights = torch.zeros(x.shape[0], self.num_experts, dtype=x.dtype, device=x.device)
+        weights = weights.scatter(1, chosen, probs[:, : self.top_k])
+        return weights, probs[:, self.top_k :]
+
+
+class InklingMoE(nn.Module):
+    """Sparse MLP: routed experts (weighted by the router) + shared experts (weighted by their gammas).
+
+    Every routed expert runs on every token and is added in ascending expert order with its weight (0 when
+    not chosen; added only where chosen): the order transformers' eager loop adds the chosen ones in, with
+    static shapes and no host sync (CUDA graphs). A grouped-GEMM kernel is the scalable version of this.
+    ``intermediate`` is this rank's share of ``moe_intermediate_size``.
+    """
+
+    def __init__(self, config: InklingConfig, intermediate: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        c = config
+        self.gate = InklingRouter(c, dtype)
+        self.experts_gate_up = _randn(c.n_routed_experts, 2 * intermediate, c.hidden_size, dtype=dtype)
+        self.experts_down = _randn(c.n_routed_experts, c.hidden_size, intermediate, dtype=dtype)
+        self.shared_gate = _randn(c.n_shared_experts, intermediate, c.hidden_size, dtype=dtype)
+        self.shared_up = _randn(c.n_shared_experts, intermediate, c.hidden_size, dtype=dtype)
+        self.shared_down = _randn(c.n_shared_experts, c.hidden_size, intermediate, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, gammas = self.gate(x)
+        routed = torch.zeros_like(x)
+        for expert in range(self.experts_gate_up.shape[0]):
+            gate, up = F.linear(x, self.experts_gate_up[expert]).chunk(2, dim=-1)
+            out = F.linear(F.silu(gate) * up, self.experts_down[expert]) * weights[:, expert, None]
+            routed = torch.where(weights[:, expert, None] != 0, routed + out, routed)
+        return routed + self._shared(x, gammas)
+
+    def _shared(self, x: torch.Tensor, gammas: torch.Tensor) -> torch.Tensor:
+        """Shared experts as one batched matmul each, summed in fp32 (transformers' order)."""
+        stacked = x[None].expand(self.shared_gate.shape[0], -1, -1)
+        gate = torch.bmm(stacked, self.shared_gate.transpose(1, 2))
+        up = torch.bmm(stacked, self.shared_up.transpose(1, 2))
+        down = torch.bmm(F.silu(gate) * up * gammas.t()[:, :, None], self.shared_down.transpose(1, 2))
+        return down.float().sum(0).to(x.dtype)
+
+
+def log_scaling(position: torch.Tensor, n_floor: int, alpha: float) -> torch.Tensor:
+    """``[T]`` fp32 ``1 + alpha * log(max((position + 1) / n_floor, 1))``: the global layers' query and bias
+    scale (transformers computes it in fp32 from the query's absolute position)."""
+    return 1.0 + alpha * torch.log(((position.long() + 1).float() / n_floor).clamp(min=1.0))
 
 
 class InklingDecoderLayer(nn.Module):
-    """One Inkling decoder layer; ``config.layer_types[layer_index]`` picks sliding-window or global.
+    """One Inkling decoder layer; ``config.layer_types[layer_index]`` picks sliding-window or global
+    (and its geometry), ``config.mlp_layer_types[layer_index]`` a dense or a sparse MLP.
 
     Registers ``{prefix}.attn`` (paged KV cache) and ``{prefix}.conv_state`` (the four conv streams) in
-    ``static_forward_context``. Run under ``torch.inference_mode()``.
+    ``static_forward_context``. Parameters are ``dtype`` except the four conv weights ``[channels, W]`` and
+    the router's ``global_scale`` / ``e_score_correction_bias``, which stay fp32. The step needs
+    ``dtype=torch.bfloat16`` (the caches are bf16); other dtypes serve the no-cache recompute. Run under
+    ``torch.inference_mode()``.
 
     ``process_group``: ``None`` or a group of one is the unsharded layer. With ``tp > 1`` ranks, this rank
-    holds ``num_heads / tp`` query heads, ``num_kv_heads / tp`` KV heads (its caches hold only those) and
-    ``hidden / tp`` channels of the output streams, and its parameters have the shapes of
-    :func:`~stepops.models.tensor_parallel.shard_inkling_state_dict`'s shard (load one: random
-    initialisation differs per rank). ``ValueError`` (before anything is registered) when the config does
-    not shard by whole KV heads, e.g. ``tp > num_kv_heads``.
+    holds its share of query/KV heads (its caches hold only those), of the MLP's intermediate channels and
+    ``hidden / tp`` channels of the output streams; load a shard from :func:`shard_inkling_state_dict`.
+    ``ValueError`` (before anything is registered) when the config does not shard by whole KV heads.
     """
 
     def __init__(
@@ -108,38 +304,47 @@ class InklingDecoderLayer(nn.Module):
         self.tp = tp = TensorParallel.from_group(process_group)
         check_inkling_tp(c, tp.size)
         self.kind = c.layer_types[layer_index]
+        self.mlp_kind = c.mlp_layer_types[layer_index]
         prefix = prefix or f"layers.{layer_index}"
+        heads, kv_heads, self.head_dim = c.attention_geometry(self.kind)
+        self.sliding_window = c.sliding_window if self.kind == SLIDING else None
+        self.rel_extent = c.sliding_window if self.kind == SLIDING else c.rel_extent
+        self.log_scaling = self.kind == GLOBAL and c.log_scaling_n_floor is not None
         # This rank's share; the whole model when tp = 1.
-        self.num_heads = c.num_heads // tp.size
-        self.num_kv_heads = c.num_kv_heads // tp.size
-        kv_width = self.num_kv_heads * c.head_dim
+        self.num_heads, self.num_kv_heads = heads // tp.size, kv_heads // tp.size
+        kv_width = self.num_kv_heads * self.head_dim
         local_hidden = c.hidden_size // tp.size
-        self.input_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.q_proj = nn.Linear(c.hidden_size, self.num_heads * c.head_dim, bias=False, dtype=dtype)
-        self.k_proj = nn.Linear(c.hidden_size, kv_width, bias=False, dtype=dtype)
-        self.v_proj = nn.Linear(c.hidden_size, kv_width, bias=False, dtype=dtype)
-        self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
-        self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
-        self.o_proj = nn.Linear(self.num_heads * c.head_dim, c.hidden_size, bias=False, dtype=dtype)
-        self.post_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.mlp = SwiGLU(c.hidden_size, c.intermediate_size // tp.size).to(dtype)
-        # Depthwise conv weights [channels, W] (nn.Conv1d's [C, 1, W] squeezed), one per stream.
+        self.input_norm = InklingRMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
+        self.q_proj = _linear(c.hidden_size, self.num_heads * self.head_dim, dtype)
+        self.k_proj = _linear(c.hidden_size, kv_width, dtype)
+        self.v_proj = _linear(c.hidden_size, kv_width, dtype)
+        self.r_proj = _linear(c.hidden_size, self.num_heads * c.d_rel, dtype)
+        self.rel_proj = _randn(c.d_rel, self.rel_extent, dtype=dtype)
+        self.q_norm = InklingRMSNorm(self.head_dim, c.rms_norm_eps, dtype)
+        self.k_norm = InklingRMSNorm(self.head_dim, c.rms_norm_eps, dtype)
+        self.o_proj = _linear(self.num_heads * self.head_dim, c.hidden_size, dtype)
+        self.post_norm = InklingRMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
+        if self.mlp_kind == SPARSE:
+            self.mlp: nn.Module = InklingMoE(c, c.moe_intermediate_size // tp.size, dtype)
+        else:
+            self.mlp = InklingMLP(c.hidden_size, c.intermediate_size // tp.size, dtype)
+        # Depthwise conv weights [channels, W] (nn.Conv1d's [C, 1, W] squeezed), one per stream, fp32.
         w = c.conv_kernel_size
-        self.conv_k = nn.Parameter(torch.randn(kv_width, w, dtype=dtype) * 0.3)
-        self.conv_v = nn.Parameter(torch.randn(kv_width, w, dtype=dtype) * 0.3)
-        self.conv_attn = nn.Parameter(torch.randn(local_hidden, w, dtype=dtype) * 0.3)
-        self.conv_mlp = nn.Parameter(torch.randn(local_hidden, w, dtype=dtype) * 0.3)
+        self.conv_k = nn.Parameter(torch.randn(kv_width, w) * 0.3)
+        self.conv_v = nn.Parameter(torch.randn(kv_width, w) * 0.3)
+        self.conv_attn = nn.Parameter(torch.randn(local_hidden, w) * 0.3)
+        self.conv_mlp = nn.Parameter(torch.randn(local_hidden, w) * 0.3)
         self.attn = PagedAttentionLayer(
             prefix=f"{prefix}.attn",
             num_kv_heads=self.num_kv_heads,
-            head_size=c.head_dim,
+            head_size=self.head_dim,
             block_size=c.block_size,
             static_forward_context=static_forward_context,
-            sliding_window=c.sliding_window if self.kind == SLIDING else None,
+            sliding_window=self.sliding_window,
         )
         self.conv_state = InklingConvState(
-            num_kv_heads=c.num_kv_heads,
-            head_dim=c.head_dim,
+            num_kv_heads=kv_heads,
+            head_dim=self.head_dim,
             hidden_size=c.hidden_size,
             kernel_size=c.conv_kernel_size,
             prefix=f"{prefix}.conv_state",
@@ -147,28 +352,51 @@ class InklingDecoderLayer(nn.Module):
             tp_size=tp.size,
         )
 
+    def relative_bias_table(self, h: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+        """``[T, Hq, rel_extent]``: each token's bias by backward distance ``0..rel_extent-1`` (log-scaled on
+        global layers). Attention adds entry ``d`` to the score of the key ``d`` positions back."""
+        r = self.r_proj(h).view(h.shape[0], self.num_heads, -1)
+        table = r @ self.rel_proj
+        if self.log_scaling:
+            tau = log_scaling(position, self.config.log_scaling_n_floor, self.config.log_scaling_alpha)
+            table = (table.float() * tau[:, None, None]).to(table.dtype)
+        return table
+
+    def scaled_query(self, q: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+        """The normed query ``[T, Hq, D]``, log-scaled on global layers (in fp32, rounded once)."""
+        if not self.log_scaling:
+            return q
+        tau = log_scaling(position, self.config.log_scaling_n_floor, self.config.log_scaling_alpha)
+        return (q.float() * tau[:, None, None]).to(q.dtype)
+
     def forward(self, hidden: torch.Tensor, metadata: InklingStepMetadata) -> torch.Tensor:
         """``hidden [T, hidden_size]`` bf16 -> ``[T, hidden_size]`` bf16; writes this layer's caches."""
-        c = self.config
-        num_tokens = hidden.shape[0]
+        num_tokens, head_dim = hidden.shape[0], self.head_dim
         position = metadata.token.position
         conv, table, sconv_meta = self.conv_state.conv, metadata.conv_block_table, metadata.sconv
         h = self.input_norm(hidden)
-        q = self.q_proj(h).view(num_tokens, self.num_heads, c.head_dim)
+        q = self.q_proj(h).view(num_tokens, self.num_heads, head_dim)
         k = conv(InklingStream.K, self.k_proj(h), self.conv_k, table, sconv_meta)
         v = conv(InklingStream.V, self.v_proj(h), self.conv_v, table, sconv_meta)
-        q = rope_neox(self.q_norm(q), position, c.head_dim, c.rope_theta)
-        k = k.view(num_tokens, self.num_kv_heads, c.head_dim)
-        k = rope_neox(self.k_norm(k), position, c.head_dim, c.rope_theta)
-        v = v.view(num_tokens, self.num_kv_heads, c.head_dim)
+        q = self.scaled_query(self.q_norm(q), position)
+        k = self.k_norm(k.view(num_tokens, self.num_kv_heads, head_dim))
+        v = v.view(num_tokens, self.num_kv_heads, head_dim)
         kv_cache = self.attn.kv_cache
-        paged_kv_write(k, v, kv_cache[..., : c.head_dim], kv_cache[..., c.head_dim :], metadata.attn_slot_mapping)
-        keys = gather_paged_keys(kv_cache, c.head_dim, metadata.attn_block_table, metadata.token)
+        paged_kv_write(k, v, kv_cache[..., :head_dim], kv_cache[..., head_dim:], metadata.attn_slot_mapping)
+        keys = gather_paged_keys(kv_cache, head_dim, metadata.attn_block_table, metadata.token)
         allowed = keys.causal
-        if self.kind == SLIDING:
+        if self.sliding_window is not None:
             key_position = torch.arange(allowed.shape[1], device=hidden.device)
-            allowed = allowed & (key_position[None, :] > position.long()[:, None] - c.sliding_window)
-        attn = masked_attention(q, keys.key, keys.value, allowed, c.head_dim**-0.5)
+            allowed = allowed & (key_position[None, :] > position.long()[:, None] - self.sliding_window)
+        attn = masked_attention(
+            q,
+            keys.key,
+            keys.value,
+            allowed,
+            1.0 / head_dim,  # q and k are RMS-normed per head: 1/d, not 1/sqrt(d)
+            rel_bias=self.relative_bias_table(h, position),
+            position=position,
+        )
         attn_out = self.o_proj(attn.flatten(1))
         hidden = hidden + self._output_conv(InklingStream.ATTN_OUT, attn_out, self.conv_attn, metadata)
         mlp = self.mlp(self.post_norm(hidden))
@@ -190,11 +418,13 @@ class InklingDecoderLayer(nn.Module):
 
 
 class InklingModel(nn.Module):
-    """A stack of :class:`InklingDecoderLayer` with its forward context (the layers' cache owners).
+    """The Inkling text decoder: normed embedding, :class:`InklingDecoderLayer` stack, final norm, head.
 
-    ``process_group`` shards every layer over its ranks (see :class:`InklingDecoderLayer`); load a shard
-    from :func:`~stepops.models.tensor_parallel.shard_inkling_state_dict`. Inputs and outputs ``[T, hidden]``
-    are replicated: every rank passes the same step and gets the same result.
+    ``forward(hidden, buffers)`` runs the decoder stack on hidden states (``[T, hidden]``, no embedding or
+    final norm); :meth:`forward_tokens` runs a whole step from token ids to logits. Load a transformers
+    checkpoint with :func:`stepops.models.inkling_checkpoint.load_inkling`. ``process_group`` shards every
+    layer over its ranks; load a shard from :func:`shard_inkling_state_dict`. Inputs and outputs are
+    replicated: every rank passes the same step and gets the same result.
     """
 
     def __init__(
@@ -205,14 +435,16 @@ class InklingModel(nn.Module):
         process_group: dist.ProcessGroup | None = None,
     ) -> None:
         super().__init__()
-        self.config = config
+        self.config = c = config
         self.static_forward_context: dict[str, Any] = {}
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size, dtype=dtype)
+        self.embed_norm = InklingRMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
         self.layers = nn.ModuleList(
-            InklingDecoderLayer(
-                config, i, static_forward_context=self.static_forward_context, dtype=dtype, process_group=process_group
-            )
-            for i in range(len(config.layer_types))
+            InklingDecoderLayer(c, i, static_forward_context=self.static_forward_context, dtype=dtype, process_group=process_group)
+            for i in range(len(c.layer_types))
         )
+        self.norm = InklingRMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
+        self.lm_head = _linear(c.hidden_size, c.vocab_size, dtype)
 
     def allocate_caches(self, num_blocks: int, device: torch.device | str) -> KVCaches:
         """Allocate and bind every layer's own KV cache and conv-state cache (``num_blocks`` blocks each)."""
@@ -227,26 +459,121 @@ class InklingModel(nn.Module):
         inside the step): here the same as :meth:`cache_tensors`. Mark these static before reduce-overhead."""
         return self.cache_tensors()
 
+    def _bound(self, what: str, sizes: dict[str, int]) -> list[int]:
+        """Each layer's bound block size (``sizes``: cache name -> size, 0 = unbound); ``ValueError`` naming
+        the unbound caches."""
+        unbound = [name for name, size in sizes.items() if size == 0]
+        if unbound:
+            raise ValueError(f"{what}: no cache bound for {', '.join(unbound)} (allocate the model's caches first)")
+        return list(sizes.values())
+
+    def _block_sizes(self) -> list[tuple[int, int]]:
+        """Each layer's bound ``(attention N, conv-state N)``."""
+        attn = {layer.attn.layer_name: bound_size(layer.attn.kv_cache, 1) for layer in self.layers}
+        conv = {layer.conv_state.prefix: bound_size(layer.conv_state.kv_cache, 2) for layer in self.layers}
+        return list(zip(self._bound("attention block size", attn), self._bound("conv-state block size", conv)))
+
     @property
     def attn_block_size(self) -> int:
-        """Tokens per block of the bound KV caches (every layer's; ``ValueError`` if unbound or unequal)."""
-        return common_attn_block_size(self.layers)
+        """The smallest bound attention block size: block tables need ``ceil(len / N)`` columns for it.
+
+        Layers may differ (the allocator scales each layer's block to the common page); they share one
+        block table, each reading it with its own ``N`` (each layer owns its cache, so ids do not clash).
+        """
+        return min(attn for attn, _ in self._block_sizes())
 
     @property
     def conv_block_size(self) -> int:
-        """Tokens per block ``N`` of the bound conv-state caches (every layer's, as above)."""
-        return common_size(
-            "conv-state block size",
-            {layer.conv_state.prefix: bound_size(layer.conv_state.kv_cache, 2) for layer in self.layers},
-        )
-
-    def build_metadata(self, buffers: StepBuffers, num_tokens: int) -> InklingStepMetadata:
-        return build_inkling_metadata(
-            buffers, num_tokens, attn_block_size=self.attn_block_size, conv_block_size=self.conv_block_size
-        )
+        """The smallest bound conv-state block size ``N`` (as :attr:`attn_block_size`)."""
+        conv = {layer.conv_state.prefix: bound_size(layer.conv_state.kv_cache, 2) for layer in self.layers}
+        return min(self._bound("conv-state block size", conv))
 
     def forward(self, hidden: torch.Tensor, buffers: StepBuffers) -> torch.Tensor:
-        metadata = self.build_metadata(buffers, hidden.shape[0])
-        for layer in self.layers:
-            hidden = layer(hidden, metadata)
+        """The decoder stack on ``hidden [T, hidden]`` (the embedding's output) -> ``[T, hidden]``."""
+        metadata: dict[tuple[int, int], InklingStepMetadata] = {}
+        for layer, (attn_n, conv_n) in zip(self.layers, self._block_sizes()):
+            if (attn_n, conv_n) not in metadata:
+                metadata[attn_n, conv_n] = build_inkling_metadata(
+                    buffers, hidden.shape[0], attn_block_size=attn_n, conv_block_size=conv_n
+                )
+            hidden = layer(hidden, metadata[attn_n, conv_n])
         return hidden
+
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """``token_ids [T]`` -> ``RMSNorm(embedding)`` ``[T, hidden]`` (padding ids may be any valid id)."""
+        return self.embed_norm(self.embed_tokens(token_ids))
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The stack's output ``[T, hidden]`` -> ``[T, output_vocab_size]`` logits in the model's dtype."""
+        logits = self.lm_head(self.norm(hidden) / self.config.logits_mup_width_multiplier)
+        return logits[:, : self.config.output_vocab_size]
+
+    def forward_tokens(self, token_ids: torch.Tensor, buffers: StepBuffers) -> torch.Tensor:
+        """A whole step: ``token_ids [T]`` int64 -> logits ``[T, output_vocab_size]``."""
+        return self.logits(self(self.embed(token_ids), buffers))
+
+
+# How each Inkling parameter shards, by its name inside a layer (model-level names are replicated):
+# ShardRule(dim, parts) splits each of ``parts`` equal chunks along ``dim`` into tp slices.
+_LAYER_SHARDING: dict[str, ShardRule] = {
+    "q_proj.weight": ShardRule(0),
+    "k_proj.weight": ShardRule(0),
+    "v_proj.weight": ShardRule(0),
+    "r_proj.weight": ShardRule(0),
+    "conv_k": ShardRule(0),
+    "conv_v": ShardRule(0),
+    "conv_attn": ShardRule(0),
+    "conv_mlp": ShardRule(0),
+    "o_proj.weight": ShardRule(1),
+    "mlp.gate_proj.weight": ShardRule(0),
+    "mlp.up_proj.weight": ShardRule(0),
+    "mlp.down_proj.weight": ShardRule(1),
+    "mlp.experts_gate_up": ShardRule(1, parts=2),
+    "mlp.experts_down": ShardRule(2),
+    "mlp.shared_gate": ShardRule(1),
+    "mlp.shared_up": ShardRule(1),
+    "mlp.shared_down": ShardRule(2),
+}
+_REPLICATED_IN_LAYER = (
+    "input_norm.weight",
+    "post_norm.weight",
+    "q_norm.weight",
+    "k_norm.weight",
+    "rel_proj",
+    "mlp.global_scale",
+    "mlp.gate.weight",
+    "mlp.gate.global_scale",
+    "mlp.gate.e_score_correction_bias",
+)
+_REPLICATED_IN_MODEL = ("embed_tokens.weight", "embed_norm.weight", "norm.weight", "lm_head.weight")
+
+
+def inkling_sharding(keys: list[str] | Mapping[str, Any]) -> dict[str, ShardRule | None]:
+    """Each key of an Inkling model (``layers.N.q_proj.weight``, ``lm_head.weight``) or layer
+    (``q_proj.weight``) state dict -> its :class:`ShardRule`, ``None`` when replicated; ``ValueError`` for a
+    key with no rule (a new parameter must say how it shards, not be replicated by accident)."""
+    rules: dict[str, ShardRule | None] = {}
+    for key in keys:
+        name = key.split(".", 2)[2] if key.startswith("layers.") else key
+        if name in _LAYER_SHARDING:
+            rules[key] = _LAYER_SHARDING[name]
+        elif name in _REPLICATED_IN_LAYER or (name == key and key in _REPLICATED_IN_MODEL):
+            rules[key] = None
+        else:
+            raise ValueError(f"shard_inkling_state_dict: no sharding rule for {key!r}")
+    return rules
+
+
+def shard_inkling_state_dict(
+    state_dict: Mapping[str, torch.Tensor], config: InklingConfig, *, tp_rank: int, tp_size: int
+) -> dict[str, torch.Tensor]:
+    """Slice a full (tp = 1) Inkling model or layer state dict into rank ``tp_rank``'s shard of ``tp_size``.
+
+    Keys keep their names; values are contiguous copies of the rank's slice (see :data:`_LAYER_SHARDING`:
+    projections by the rank's heads' rows or input columns, the MLPs' and experts' intermediate channels,
+    the output-stream conv weights by hidden rows; norms, router, embedding and head whole). Loading the
+    result into a model built with a ``tp_size`` group makes it compute the full model's function.
+    ``ValueError`` for a config that does not shard (:func:`check_inkling_tp`), a bad rank, or an unknown key.
+    """
+    check_inkling_tp(config, tp_size)
+    return shard_state_dict(state_dict, inkling_sharding(state_dict), tp_rank=tp_rank, tp_size=tp_size)

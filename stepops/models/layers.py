@@ -99,7 +99,14 @@ def gather_paged_keys(
 
 
 def masked_attention(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, allowed: torch.Tensor, scale: float
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    allowed: torch.Tensor,
+    scale: float,
+    *,
+    rel_bias: torch.Tensor | None = None,
+    position: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Grouped-query attention of each token over its own key set.
 
@@ -108,11 +115,21 @@ def masked_attention(
     ``Hq`` a multiple of ``Hkv`` (query head ``h`` reads KV head ``h // (Hq / Hkv)``). Scores, softmax and
     the weighted sum are fp32; the output ``[T, Hq, Dv]`` is rounded once to ``query.dtype``. A row with no
     allowed key (a padding token) is zero.
+
+    ``rel_bias [T, Hq, E]`` (with ``position [T]``, the keys being positions ``0..S-1``): a relative
+    position bias added to ``score * scale``, entry ``d`` for the key at distance ``d = position - s``
+    when ``0 <= d < E``, nothing otherwise (Inkling). A per-token table, so a paged kernel can take it as is.
     """
     num_tokens, num_heads, head_size = query.shape
     num_kv_heads = key.shape[2]
     q = query.float().view(num_tokens, num_kv_heads, num_heads // num_kv_heads, head_size)
     scores = torch.einsum("tkgd,tskd->tkgs", q, key.float()) * scale
+    if rel_bias is not None:
+        extent = rel_bias.shape[-1]
+        distance = position.long()[:, None] - torch.arange(key.shape[1], device=key.device)[None, :]  # [T, S]
+        index = distance.clamp(0, extent - 1)[:, None, :].expand(-1, num_heads, -1)
+        bias = rel_bias.float().gather(-1, index).masked_fill(((distance < 0) | (distance >= extent))[:, None], 0.0)
+        scores = scores + bias.view(scores.shape)
     mask = allowed[:, None, None, :] if allowed.dim() == 2 else allowed[:, :, None, :]
     scores = scores.masked_fill(mask.logical_not(), float("-inf"))
     # A fully masked row would be NaN; give it a finite max so it softmaxes to zeros after the mask below.

@@ -12,9 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from stepops.models.inkling import SLIDING as INKLING_SLIDING
 from stepops.models.inkling import InklingDecoderLayer
-from stepops.models.layers import rope_neox
 
 
 def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, scale: float) -> torch.Tensor:
@@ -46,18 +44,23 @@ def _short_conv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def inkling_layer_reference(layer: InklingDecoderLayer, x: torch.Tensor) -> torch.Tensor:
-    """One request's committed inputs ``x [L, hidden]`` bf16 through an Inkling layer, no cache."""
-    c = layer.config
+    """One request's committed inputs ``x [L, hidden]`` through an Inkling layer, no cache, in ``x``'s dtype
+    (bf16, or fp32 with an fp32 layer): the relative bias as a dense ``[Hq, L, L]`` additive mask."""
     length = x.shape[0]
     position = torch.arange(length, device=x.device)
     h = layer.input_norm(x)
-    q = layer.q_proj(h).view(length, c.num_heads, c.head_dim)
+    q = layer.q_proj(h).view(length, layer.num_heads, layer.head_dim)
     k = _short_conv(layer.k_proj(h), layer.conv_k)
     v = _short_conv(layer.v_proj(h), layer.conv_v)
-    q = rope_neox(layer.q_norm(q), position, c.head_dim, c.rope_theta)
-    k = rope_neox(layer.k_norm(k.view(length, c.num_kv_heads, c.head_dim)), position, c.head_dim, c.rope_theta)
-    v = v.view(length, c.num_kv_heads, c.head_dim)
-    window = c.sliding_window if layer.kind == INKLING_SLIDING else None
-    attn = _attention(q, k, v, _causal(length, window, x.device), c.head_dim**-0.5)
+    q = layer.scaled_query(layer.q_norm(q), position)
+    k = layer.k_norm(k.view(length, layer.num_kv_heads, layer.head_dim))
+    v = v.view(length, layer.num_kv_heads, layer.head_dim)
+    table = layer.relative_bias_table(h, position).float()  # [L, Hq, E]
+    distance = position[:, None] - position[None, :]
+    bias = torch.zeros(layer.num_heads, length, length, device=x.device)
+    for d in range(min(table.shape[-1], length)):
+        bias = torch.where(distance == d, table[:, :, d].t()[:, :, None], bias)
+    mask = bias.masked_fill(~_causal(length, layer.sliding_window, x.device), float("-inf"))
+    attn = _attention(q, k, v, mask, 1.0 / layer.head_dim)
     x = x + _short_conv(layer.o_proj(attn.flatten(1)), layer.conv_attn)
     return x + _short_conv(layer.mlp(layer.post_norm(x)), layer.conv_mlp)

@@ -26,11 +26,13 @@ from stepops.models.metadata import StepBuffers
 from stepops.models.step5 import Step5Model
 
 EAGER, COMPILED, CUDA_GRAPH = "eager", "compiled", "cudagraph"
+HIDDEN, TOKENS = "hidden", "tokens"
 
 
 @dataclass(frozen=True)
 class ScheduledRequest:
-    """One request's share of a step: ``inputs [n, hidden]`` at positions ``start .. start + n - 1``."""
+    """One request's share of a step: ``inputs`` (``[n, hidden]``, or ``[n]`` token ids for a runner of
+    ``inputs="tokens"``) at positions ``start .. start + n - 1``."""
 
     slot: int  # the runner's request slot (its block-table row)
     start: int
@@ -57,6 +59,10 @@ class StepRunner:
     backend) or ``"cudagraph"`` (CUDA only: one ``torch.cuda.CUDAGraph`` per capture size, captured from
     padding-only steps, which write nothing). Every cache block is handed out once, in a seeded random
     order, so block tables are not the identity.
+
+    ``inputs``: ``"hidden"`` steps feed hidden states ``[n, hidden]`` to ``model(hidden, buffers)`` and
+    return its outputs; ``"tokens"`` steps feed token ids ``[n]`` to ``model.forward_tokens`` (embedding to
+    logits, the whole step compiled or captured as one) and return logits; :meth:`generate` needs it.
     """
 
     def __init__(
@@ -70,7 +76,10 @@ class StepRunner:
         mode: str = EAGER,
         compile_backend: str = "inductor",
         seed: int = 0,
+        inputs: str = HIDDEN,
     ) -> None:
+        if inputs not in (HIDDEN, TOKENS) or (inputs == TOKENS and not hasattr(model, "forward_tokens")):
+            raise ValueError(f"inputs must be {HIDDEN!r}, or {TOKENS!r} for a model with forward_tokens, got {inputs!r}")
         if mode not in (EAGER, COMPILED, CUDA_GRAPH):
             raise ValueError(f"mode must be {EAGER!r}, {COMPILED!r} or {CUDA_GRAPH!r}, got {mode!r}")
         if mode == CUDA_GRAPH and torch.device(device).type != "cuda":
@@ -111,12 +120,17 @@ class StepRunner:
             summary_block_table=torch.full((max_requests, summary_blocks), -1, **i32),
             conv_block_table=torch.full((max_requests, conv_blocks), -1, **i32),
         )
-        hidden = model.config.hidden_size
-        self.hidden = torch.zeros(self.capture_sizes[-1], hidden, dtype=torch.bfloat16, device=self.device)
+        self.input_kind = inputs
+        self._forward: Callable[..., torch.Tensor] = model.forward_tokens if inputs == TOKENS else model
+        if inputs == TOKENS:
+            self.inputs = torch.zeros(self.capture_sizes[-1], dtype=torch.int64, device=self.device)
+        else:
+            hidden = model.config.hidden_size
+            self.inputs = torch.zeros(self.capture_sizes[-1], hidden, dtype=torch.bfloat16, device=self.device)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._compiled: Callable[..., torch.Tensor] | None = None
         if mode == COMPILED:
-            self._compiled = torch.compile(model, backend=compile_backend, fullgraph=True)
+            self._compiled = torch.compile(self._forward, backend=compile_backend, fullgraph=True)
         self.steps = 0
         self.tokens = 0
 
@@ -155,18 +169,18 @@ class StepRunner:
         b.ring_blocks.copy_(tables["ring"])
         b.summary_block_table.copy_(tables["summary"])
         b.conv_block_table.copy_(tables["conv"])
-        self.hidden.zero_()
+        self.inputs.zero_()
         if batch:
-            self.hidden[:total].copy_(torch.cat([s.inputs for s in batch]).to(self.device))
+            self.inputs[:total].copy_(torch.cat([torch.as_tensor(s.inputs) for s in batch]).to(self.device))
         return total
 
     def _run(self, size: int) -> torch.Tensor:
-        hidden = self.hidden[:size]
+        hidden = self.inputs[:size]
         if self.mode == CUDA_GRAPH:
             graph, out = self._graphs[size]
             graph.replay()
             return out
-        fn = self.model
+        fn = self._forward
         if self._compiled is not None:
             fn = self._compiled
             # One graph for every capture size: T is symbolic from the first call on (sizes >= 2 only;
@@ -186,6 +200,62 @@ class StepRunner:
             starts.append(starts[-1] + len(s.inputs))
         return [out[starts[i] : starts[i + 1]].clone() for i in range(len(batch))]
 
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        max_new_tokens: int,
+        *,
+        draft: Callable[[int, list[int]], Sequence[int]] | None = None,
+    ) -> list[list[int]]:
+        """Greedy decoding: ``max_new_tokens`` new token ids for each prompt, all prompts in one ragged batch.
+
+        Prompt ``i`` takes request slot ``i`` (the runner's caches start empty for it). Prompts are prefilled
+        in chunks that fit the largest step; then each step feeds every request its last token, and with
+        ``draft``, ``draft(i, tokens_so_far)`` proposed next tokens after it (a verify step): the drafts
+        that equal the greedy choice before them are accepted, the first that does not is replaced by that
+        choice, and the rest are rejected (the next step overwrites their cache rows). The emitted tokens
+        are the same with or without drafts. Argmax over the logits; the first of equal maxima wins (as
+        ``torch.argmax``). Needs ``inputs="tokens"``; reads the logits on the host between steps, never
+        inside one. No end-of-sequence stop.
+        """
+        if self.input_kind != TOKENS:
+            raise ValueError('generate needs a runner built with inputs="tokens"')
+        if len(prompts) > self.max_requests:
+            raise ValueError(f"{len(prompts)} prompts; the runner has {self.max_requests} request slots")
+        if any(len(p) == 0 for p in prompts):
+            raise ValueError("every prompt needs at least one token")
+        budget = self.capture_sizes[-1]
+        seqs = [list(p) for p in prompts]
+        cached = [0] * len(seqs)  # positions of seqs[i] whose inputs the caches hold
+        new = [0] * len(seqs)
+        while any(n < max_new_tokens for n in new):
+            batch, plans, room = [], [], budget
+            for i, seq in enumerate(seqs):
+                pending = seq[cached[i] :]
+                if new[i] >= max_new_tokens or room == 0:
+                    continue
+                chunk = pending[:room]
+                drafts: list[int] = []
+                if draft is not None and len(pending) == 1:
+                    drafts = list(draft(i, list(seq)))[: min(room - 1, max_new_tokens - new[i] - 1)]
+                room -= len(chunk) + len(drafts)
+                batch.append(ScheduledRequest(i, cached[i], torch.tensor(chunk + drafts, dtype=torch.int64)))
+                plans.append((i, len(chunk), len(pending), drafts))
+            outs = self.step(batch)
+            for (i, fed, pending, drafts), logits in zip(plans, outs):
+                if fed < pending:  # a prompt chunk that does not reach the prompt's end predicts nothing
+                    cached[i] += fed
+                    continue
+                choice = logits[fed - 1 :].argmax(-1).tolist()
+                accepted = 0
+                while accepted < len(drafts) and drafts[accepted] == choice[accepted]:
+                    accepted += 1
+                emitted = choice[: accepted + 1][: max_new_tokens - new[i]]
+                seqs[i].extend(emitted)
+                new[i] += len(emitted)
+                cached[i] = len(seqs[i]) - 1
+        return [seq[len(p) :] for seq, p in zip(seqs, prompts)]
+
     def warm_up(self, progress: Callable[[str], None] | None = None) -> None:
         """Compile (or capture) every capture size with padding-only steps, which write nothing."""
         for size in self.capture_sizes:
@@ -198,15 +268,15 @@ class StepRunner:
                 progress(f"{self.mode}: T = {size} ready")
 
     def _capture(self, size: int) -> None:
-        hidden = self.hidden[:size]
+        hidden = self.inputs[:size]
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream), torch.inference_mode():
-            self.model(hidden, self.buffers)  # warm-up outside capture (allocator, Triton autotune-free JIT)
+            self._forward(hidden, self.buffers)  # warm-up outside capture (allocator, Triton autotune-free JIT)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph), torch.inference_mode():
-            out = self.model(hidden, self.buffers)
+            out = self._forward(hidden, self.buffers)
         self._graphs[size] = (graph, out)
 
 

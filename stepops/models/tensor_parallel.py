@@ -1,4 +1,4 @@
-"""Tensor parallelism for the Inkling decoder layers over ``torch.distributed``.
+"""Tensor parallelism for the Inkling decoder layers over ``torch.distributed`` (imports no model).
 
 Inkling is sharded by whole KV heads (design brief section 3): rank ``r`` of ``tp`` holds query heads
 ``[r Hq/tp, (r+1) Hq/tp)``, KV heads ``[r Hkv/tp, (r+1) Hkv/tp)`` and hidden channels
@@ -10,7 +10,8 @@ page keeps one ``D`` at every ``tp``. The residual stream ``[T, hidden]`` is rep
   compiled step).
 - :func:`reduce_scatter_hidden` / :func:`all_gather_hidden`: the two collectives around each output-stream
   conv, as functional collectives so ``torch.compile(fullgraph=True)`` traces them without a break.
-- :func:`shard_inkling_state_dict`: a full (tp = 1) Inkling state dict -> one rank's shard.
+- :class:`ShardRule` / :func:`shard_state_dict`: a full (tp = 1) state dict -> one rank's shard, by a rule
+  per key (the model says how its parameters shard: :func:`stepops.models.inkling.shard_inkling_state_dict`).
 - :func:`spawn_ranks`: start ``tp`` local processes joined in one group (gloo on CPU, NCCL on CUDA).
 """
 
@@ -21,15 +22,12 @@ import tempfile
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.multiprocessing as mp
-
-if TYPE_CHECKING:
-    from stepops.models.inkling import InklingConfig
 
 # torch 2.13 has the dim-aware functional collectives as *_single and deprecates the *_tensor names (they
 # warn in eager); a release without *_single has the *_tensor names. Same signature, same graph ops.
@@ -89,89 +87,42 @@ def all_gather_hidden(shard: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
 
 # -- weight loading --------------------------------------------------------------------------------------
 
-# How each Inkling layer parameter is sharded, by the name inside a layer. "rows": output channels
-# (column-parallel projections and the per-channel conv weights); "columns": input channels (row-parallel
-# projections, whose outputs are partial sums); "gate_up": the fused [gate; up] rows, each half split;
-# "replicated": norms. The unit is what one slice is a whole multiple of; "hidden" splits the hidden size.
-_SHARDING: dict[str, tuple[str, str]] = {
-    "input_norm.weight": ("replicated", ""),
-    "post_norm.weight": ("replicated", ""),
-    "q_norm.weight": ("replicated", ""),
-    "k_norm.weight": ("replicated", ""),
-    "q_proj.weight": ("rows", "heads"),
-    "k_proj.weight": ("rows", "kv_heads"),
-    "v_proj.weight": ("rows", "kv_heads"),
-    "conv_k": ("rows", "kv_heads"),
-    "conv_v": ("rows", "kv_heads"),
-    "conv_attn": ("rows", "hidden"),
-    "conv_mlp": ("rows", "hidden"),
-    "o_proj.weight": ("columns", "heads"),
-    "mlp.gate_up.weight": ("gate_up", "intermediate"),
-    "mlp.down.weight": ("columns", "intermediate"),
-}
+
+@dataclass(frozen=True)
+class ShardRule:
+    """How one parameter shards: along ``dim``, viewed as ``parts`` equal chunks (a fused ``[gate; up]`` is
+    2), each split into ``tp`` equal slices; rank ``r`` keeps slice ``r`` of every chunk, in chunk order."""
+
+    dim: int
+    parts: int = 1
 
 
-def check_inkling_tp(config: InklingConfig, tp_size: int) -> None:
-    """Raise ``ValueError`` unless ``config`` shards over ``tp_size`` ranks by whole KV heads.
-
-    Needs ``tp_size <= num_kv_heads`` (the conv-state layout's own error), ``num_kv_heads`` and
-    ``intermediate_size`` divisible by ``tp_size`` (query heads and hidden then divide too).
-    """
-    from stepops.layouts import InklingConvStateLayout
-
-    InklingConvStateLayout(
-        num_kv_heads=config.num_kv_heads,
-        head_dim=config.head_dim,
-        hidden_size=config.hidden_size,
-        kernel_size=config.conv_kernel_size,
-        tp_size=tp_size,
-    )
-    if config.intermediate_size % tp_size:
-        raise ValueError(
-            f"intermediate_size ({config.intermediate_size}) must be divisible by the tensor-parallel size ({tp_size})"
-        )
-
-
-def shard_inkling_state_dict(
-    state_dict: Mapping[str, torch.Tensor], config: InklingConfig, *, tp_rank: int, tp_size: int
+def shard_state_dict(
+    state_dict: Mapping[str, torch.Tensor],
+    rules: Mapping[str, ShardRule | None],
+    *,
+    tp_rank: int,
+    tp_size: int,
 ) -> dict[str, torch.Tensor]:
-    """Slice a full (tp = 1) Inkling model or layer state dict into rank ``tp_rank``'s shard of ``tp_size``.
-
-    Keys keep their names (``layers.0.q_proj.weight``, or ``q_proj.weight`` for one layer); values are
-    contiguous copies of the rank's slice: q/k/v projections and the K/V conv weights by the rank's (KV)
-    heads' rows, the attention/MLP-output conv weights by its hidden rows, ``o_proj`` and ``mlp.down`` by
-    input columns, ``mlp.gate_up`` by each of its gate and up halves, norms whole. Loading the result into
-    a model built with a ``tp_size`` group makes it compute the full model's function. Raises ``ValueError``
-    for a config that does not shard (:func:`check_inkling_tp`), a bad rank, or a key it does not know (a
-    new parameter must say how it shards, not be replicated by accident).
-    """
+    """Rank ``tp_rank``'s shard of ``state_dict`` under ``rules`` (key -> :class:`ShardRule`, ``None`` =
+    replicated): contiguous copies, same keys. ``ValueError`` for a bad rank, a key without a rule or a
+    dimension that does not split evenly."""
     if not isinstance(tp_rank, int) or not isinstance(tp_size, int) or not 0 <= tp_rank < tp_size:
         raise ValueError(f"need 0 <= tp_rank < tp_size, got tp_rank={tp_rank!r}, tp_size={tp_size!r}")
-    check_inkling_tp(config, tp_size)
-    units = {
-        "heads": config.num_heads * config.head_dim,
-        "kv_heads": config.num_kv_heads * config.head_dim,
-        "hidden": config.hidden_size,
-        "intermediate": config.intermediate_size,
-    }
     out = {}
     for key, value in state_dict.items():
-        rule = next((r for name, r in _SHARDING.items() if key == name or key.endswith("." + name)), None)
+        if key not in rules:
+            raise ValueError(f"no sharding rule for {key!r}")
+        rule = rules[key]
         if rule is None:
-            raise ValueError(f"shard_inkling_state_dict: no sharding rule for {key!r}")
-        kind, unit = rule
-        if kind == "replicated":
             out[key] = value.clone()
             continue
-        share = units[unit] // tp_size
-        dim = 1 if kind == "columns" else 0
-        if value.shape[dim] != (2 if kind == "gate_up" else 1) * units[unit]:
-            raise ValueError(f"{key}: shape {tuple(value.shape)} does not match the config's {unit} ({units[unit]})")
-        if kind == "gate_up":
-            gate, up = value.chunk(2, dim=0)
-            out[key] = torch.cat([t[tp_rank * share : (tp_rank + 1) * share] for t in (gate, up)]).contiguous()
-        else:
-            out[key] = value.narrow(dim, tp_rank * share, share).contiguous()
+        if value.shape[rule.dim] % (rule.parts * tp_size):
+            raise ValueError(
+                f"{key}: dim {rule.dim} of shape {tuple(value.shape)} does not split into {rule.parts} x {tp_size} slices"
+            )
+        chunks = value.unflatten(rule.dim, (rule.parts, tp_size, -1)).select(rule.dim + 1, tp_rank)
+        out[key] = chunks.flatten(rule.dim, rule.dim + 1).contiguous()
     return out
 
 

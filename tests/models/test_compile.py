@@ -63,7 +63,7 @@ def _run_steps(model, runner, fn, pad=True):
         size = _schedule(runner, sizes, starts, seed=i)
         if not pad:
             size = sum(sizes)
-        hidden = runner.hidden[:size]
+        hidden = runner.inputs[:size]
         if fn is not model:
             torch._dynamo.mark_dynamic(hidden, 0, min=2, max=MAX_TOKENS)
         with torch.inference_mode():
@@ -136,7 +136,7 @@ class TestGraphContents(TestCase):
 
             size = _schedule(runner, [5, 3], [0, 0], seed=0)
             with torch.inference_mode():
-                torch.compile(model, backend=record, fullgraph=True)(runner.hidden[:size], runner.buffers)
+                torch.compile(model, backend=record, fullgraph=True)(runner.inputs[:size], runner.buffers)
             lines.append(f"{model_cls.__name__}: " + ", ".join(_stepops_calls(graphs[0])))
         self.assertExpectedInline(
             "\n".join(lines),
@@ -155,7 +155,7 @@ InklingModel: stepops.sconv, stepops.sconv, stepops.paged_kv_write, stepops.scon
                 return gm
 
             size = _schedule(runner, [6, 3], [0, 2], seed=0)
-            hidden = runner.hidden[:size]
+            hidden = runner.inputs[:size]
             torch._dynamo.mark_dynamic(hidden, 0, min=2, max=MAX_TOKENS)
             with torch.inference_mode():
                 torch.compile(model, backend=aot_autograd(fw_compiler=inspect), fullgraph=True)(hidden, runner.buffers)
@@ -181,7 +181,7 @@ def test_mutated_tensors_are_the_inputs_the_graph_writes(model_cls, config):
 
     size = _schedule(runner, [6, 3], [0, 2], seed=0)
     with torch.inference_mode():
-        torch.compile(model, backend=record, fullgraph=True)(runner.hidden[:size], runner.buffers)
+        torch.compile(model, backend=record, fullgraph=True)(runner.inputs[:size], runner.buffers)
     mutated = model.mutated_tensors()
     assert all(any(w is t for t in mutated) for w in written), "a written graph input is not in mutated_tensors()"
     assert all(any(w is t for w in written) for t in mutated), "mutated_tensors() has a tensor the graph never writes"
@@ -253,10 +253,10 @@ def test_inductor_runs_in_place_and_equals_eager(model_cls, config):
     model, runner = _make(model_cls, config)
     size = _schedule(runner, [9, 4], [0, 3], seed=0)
     _schedule(eager_runner, [9, 4], [0, 3], seed=0)
-    hidden = runner.hidden[:size]
+    hidden = runner.inputs[:size]
     torch._dynamo.mark_dynamic(hidden, 0, min=2, max=MAX_TOKENS)
     with torch.inference_mode():
-        want = eager_model(eager_runner.hidden[:size], eager_runner.buffers)
+        want = eager_model(eager_runner.inputs[:size], eager_runner.buffers)
         got, codes = run_and_get_code(torch.compile(model, fullgraph=True), hidden, runner.buffers)
     code = "\n".join(codes)
     # The ops write the graph's inputs themselves (argN_1, maybe reinterpreted), never an Inductor buffer:
@@ -352,6 +352,6 @@ def test_fake_cuda_trace_has_no_graph_break(monkeypatch):
             # The buffers keep their initial (padding-only) values: a host -> fake-CUDA copy has no kernel
             # on this wheel, and tracing needs only shapes.
             with torch.inference_mode():
-                out = torch.compile(model, backend=backend, fullgraph=True)(runner.hidden[:8], runner.buffers)
+                out = torch.compile(model, backend=backend, fullgraph=True)(runner.inputs[:8], runner.buffers)
         assert out.device.type == "cuda"
         assert backend.frame_count == 1 and not counters["graph_break"]

@@ -33,12 +33,15 @@ from torch._dynamo.utils import counters
 
 from stepops.layouts import InklingStream
 from stepops.models import InklingConfig, InklingDecoderLayer, InklingModel
+from stepops.models.inkling import DENSE, SPARSE, inkling_sharding, shard_inkling_state_dict
 from stepops.models.runner import COMPILED, EAGER, StepRunner, Workload, run_workload
-from stepops.models.tensor_parallel import shard_inkling_state_dict, spawn_ranks
+from stepops.models.tensor_parallel import spawn_ranks
 from stepops.testing import TOLERANCES
 
 TP = 2
-CONFIG = InklingConfig()  # 2 KV heads, 4 query heads, hidden 64: one KV head per rank; sliding + global
+# 2 KV heads in both layer kinds (sliding: head size 8, global: 16), 4 query heads, hidden 64: one KV head
+# per rank; a dense MLP in the sliding layer and a sparse one (4 experts, each split over the ranks) in the global.
+CONFIG = InklingConfig(mlp_layer_types=(DENSE, SPARSE))
 WORKLOAD = Workload(prompt_lens=(13, 6, 3), decode_lens=(6, 8, 7), num_speculative_tokens=3, token_budget=8)
 CHECKS = (
     "eager_outputs_within_bound",
@@ -192,22 +195,22 @@ def test_two_ranks_match_one(rank_results, check):
 
 
 def test_shards_reassemble_the_full_state_dict():
-    """Each parameter's shards, put back along the axis the layer splits, are the full tensor."""
+    """Each parameter's shards, put back along the axis (and within the chunks) its rule splits, are the
+    full tensor; replicated ones are whole on every rank; every MoE expert weight is split."""
     torch.manual_seed(0)
     full = InklingModel(CONFIG).state_dict()
     shards = [shard_inkling_state_dict(full, CONFIG, tp_rank=r, tp_size=TP) for r in range(TP)]
+    rules = inkling_sharding(full)
+    assert all(rules[k] is not None for k in full if ".mlp.experts_" in k or ".mlp.shared_" in k)
+    assert all(rules[k] is None for k in full if ".mlp.gate." in k)  # the router: every rank routes alike
     for key, value in full.items():
-        parts = [s[key] for s in shards]
-        if key.endswith("norm.weight"):
+        parts, rule = [s[key] for s in shards], rules[key]
+        if rule is None:
             assert all(torch.equal(p, value) for p in parts), key
-        elif key.endswith(("o_proj.weight", "down.weight")):
-            assert torch.equal(torch.cat(parts, dim=1), value), key
-        elif key.endswith("gate_up.weight"):
-            halves = [p.chunk(2) for p in parts]
-            assert torch.equal(torch.cat([h[0] for h in halves] + [h[1] for h in halves]), value), key
-        else:
-            assert torch.equal(torch.cat(parts), value), key
-            assert parts[0].shape[0] == value.shape[0] // TP, key
+            continue
+        chunks = [p.unflatten(rule.dim, (rule.parts, -1)) for p in parts]
+        assert torch.equal(torch.cat(chunks, dim=rule.dim + 1).flatten(rule.dim, rule.dim + 1), value), key
+        assert parts[0].shape[rule.dim] == value.shape[rule.dim] // TP, key
 
 
 def test_shard_refuses_tp_above_kv_heads_and_unknown_keys():
