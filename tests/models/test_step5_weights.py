@@ -141,3 +141,16 @@ def test_bad_configs_are_clear_errors(kwargs, error, match):
 def test_bad_llama3_scaling_is_an_error():
     with pytest.raises(ValueError, match="low_freq_factor < high_freq_factor"):
         Llama3RopeScaling(factor=2.0, low_freq_factor=4.0, high_freq_factor=1.0, original_max_position_embeddings=64)
+
+
+def test_summary_cache_binding_checks():
+    """The summary cache holds e4m3 codes as uint8; a float8 tensor (which the op would receive as a dtype
+    view, making a compiled step copy the whole cache back) or a sliding layer is refused."""
+    model = Step5Model(_CONFIG)
+    sliding, csa = model.layers
+    with pytest.raises(TypeError, match=r"uint8 \(float8_e4m3fn codes\), got torch.float8_e4m3fn"):
+        csa.bind_summary_cache(torch.zeros(16, 256, dtype=torch.float8_e4m3fn))
+    with pytest.raises(ValueError, match=r"must be \[num_slots, 256\]"):
+        csa.bind_summary_cache(torch.zeros(16, 128, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="only CSA layers"):
+        sliding.bind_summary_cache(torch.zeros(16, 256, dtype=torch.uint8))
