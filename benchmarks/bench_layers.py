@@ -25,7 +25,8 @@ def _configs(settings: Settings):
         return [("step5", Step5Model, Step5Config()), ("inkling", InklingModel, InklingConfig())]
     # A mid-sized shape for GPUs: big enough that the ops move real bytes, small enough to compile fast.
     shape = dict(hidden_size=1024, num_heads=8, num_kv_heads=2, head_dim=128, intermediate_size=2816)
-    return [("step5", Step5Model, Step5Config(**shape)), ("inkling", InklingModel, InklingConfig(**shape))]
+    inkling = InklingConfig(**shape, swa_num_heads=8, swa_num_kv_heads=2, swa_head_dim=128, moe_intermediate_size=704)
+    return [("step5", Step5Model, Step5Config(**shape)), ("inkling", InklingModel, inkling)]
 
 
 def _cases(settings: Settings) -> list[tuple[str, int, int]]:
