@@ -331,9 +331,10 @@ def csa_ring_update_triton(
         BLOCK_P=block_p,
         FP8_SUMMARY=fp8,
         REVERSE_GRID=reverse_grid,
-        # About 4 lanes of P per thread (the fold keeps m, s, a and a row's k, z live in fp32 registers),
-        # one warp for small P, at most 4 since a program is a single token's 8 rows.
-        num_warps=max(1, min(4, block_p // 128)),
+        # About 2 lanes of P per thread, at most 4 warps (one per SM sub-partition): a thread holds its
+        # lanes of all 8 rows and 7 deferred rows before the fold, so at P = 256 two warps needed 107-120
+        # registers and spilled 8 B on sm_80 with Triton 3.6; four halve that and the fold's time.
+        num_warps=max(1, min(4, block_p // 64)),
         # Keep `s * alpha + beta` two roundings, as in the PyTorch kernel, so the summaries match bitwise.
         enable_fp_fusion=False,
     )
