@@ -32,7 +32,7 @@ from torch._dynamo.utils import counters
 
 from stepops.models import InklingConfig, InklingModel, Step5Config, Step5Model
 from stepops.testing.recompute import compare_with_recompute
-from stepops.models.runner import COMPILED, CUDA_GRAPH, EAGER, StepRunner, Workload, run_workload
+from stepops.models.runner import COMPILED, CUDA_GRAPH, EAGER, TOKENS, StepRunner, Workload, run_workload
 from stepops.models.inkling import shard_inkling_state_dict
 from stepops.models.tensor_parallel import spawn_ranks
 from stepops.testing.tolerances import TOLERANCES
@@ -138,6 +138,31 @@ def _run_mode(
         f" ({comparison.near_tie_rows} of {comparison.rows} rows left out as near-tie region choices)"
     )
     return row
+
+
+def _inkling_generation(device: torch.device) -> dict:
+    """Greedy generation on the Inkling model (embedding to logits per step): two prompts in one ragged batch,
+    then again with drafts of 3 that are wrong on every other step; the emitted tokens must not change."""
+    torch.manual_seed(0)
+    with device:
+        model = InklingModel(InklingConfig())
+    prompts, new_tokens = [[3, 14, 15, 92, 65, 35, 89, 79, 32], [27, 18, 28]], 16
+
+    def runner() -> StepRunner:
+        return StepRunner(model, max_requests=2, max_model_len=32, max_tokens=16, device=device, inputs=TOKENS)
+
+    plain = runner()
+    tokens = plain.generate(prompts, new_tokens)
+
+    def draft(i: int, seq: list[int]) -> list[int]:
+        done = len(seq) - len(prompts[i])
+        return [(t + done % 2) % model.config.vocab_size for t in tokens[i][done : done + 3]]
+
+    drafted = runner()
+    same = drafted.generate(prompts, new_tokens, draft=draft) == tokens
+    _say(f"  inkling greedy generation: {new_tokens} tokens x 2 prompts in {plain.steps} steps; with drafts "
+         f"{drafted.steps} steps, {'the same' if same else 'DIFFERENT'} tokens")
+    return {"new_tokens": new_tokens, "steps": plain.steps, "draft_steps": drafted.steps, "same_with_drafts": same}
 
 
 def _tp_rank(rank: int, tp_size: int, make, device_type: str, backend: str, workload: Workload, out_dir: str) -> None:
@@ -261,8 +286,11 @@ def run_demo(*, json_path: str | None = None, device: str = "auto", backend: str
         }
         if CUDA_GRAPH in rows:
             report[name]["cudagraph_seconds"] = rows[CUDA_GRAPH]["seconds"]
+    if "inkling" in report and tp == 1:
+        report["inkling"]["generation"] = _inkling_generation(dev)
     _print_table(report)
     ok = all(r["graph_breaks"] == 0 and r["recompiles"] == 0 and r["within_bound"] for r in report.values())
+    ok = ok and all(r["generation"]["same_with_drafts"] for r in report.values() if "generation" in r)
     if json_path:
         with open(json_path, "w") as f:
             json.dump({"device": str(dev), "backend": backend, "tp": tp, "bound": TOLERANCES[_BOUND].__dict__,

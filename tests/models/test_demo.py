@@ -14,6 +14,8 @@ def test_demo_reports_every_field(tmp_path, monkeypatch, capsys):
     assert main(["demo", "--json", str(path), "--backend", "aot_eager", "--device", "cpu"]) == 0
     report = json.loads(path.read_text())
     assert set(report["models"]) == {"step5", "inkling"}
+    generation = report["models"]["inkling"]["generation"]  # greedy tokens, with and without drafts
+    assert generation["same_with_drafts"] and generation["draft_steps"] < generation["steps"]
     for model in report["models"].values():
         assert model["graph_breaks"] == 0 and model["recompiles"] == 0
         # Eager and aot_eager on CPU: not bitwise vs the recompute (another attention sum order), but within
