@@ -33,7 +33,6 @@ way. Both caches hold only the rank's KV heads; each output-stream conv runs on 
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import Any

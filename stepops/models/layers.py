@@ -125,6 +125,8 @@ def masked_attention(
     q = query.float().view(num_tokens, num_kv_heads, num_heads // num_kv_heads, head_size)
     scores = torch.einsum("tkgd,tskd->tkgs", q, key.float()) * scale
     if rel_bias is not None:
+        if position is None:
+            raise ValueError("masked_attention: rel_bias needs each token's position")
         extent = rel_bias.shape[-1]
         distance = position.long()[:, None] - torch.arange(key.shape[1], device=key.device)[None, :]  # [T, S]
         index = distance.clamp(0, extent - 1)[:, None, :].expand(-1, num_heads, -1)

@@ -2,8 +2,9 @@
 
 One request at a time, the whole sequence at once, with independent formulations of everything the
 incremental path does through caches and metadata: attention by ``scaled_dot_product_attention`` with a
-dense boolean mask, short convs by ``F.conv1d``. The per-token pieces with no state (projections, norms,
-rope, the MLP) are the layer's own modules. Step5's recompute, which shares nothing with its layers, is
+dense additive mask (the relative bias placed by distance, ``-inf`` outside the causal window), short
+convs by ``F.conv1d``. The per-token pieces with no state (projections, norms, the per-token bias table and
+log scaling, the MLP) are the layer's own modules. Step5's recompute, which shares nothing with its layers, is
 :mod:`stepops.testing.step5_reference`; the comparison helpers are in :mod:`stepops.testing.recompute`.
 """
 

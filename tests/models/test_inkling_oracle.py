@@ -30,7 +30,7 @@ from torch._dynamo.utils import counters
 from safetensors.torch import load_file, save_file
 from transformers import InklingForCausalLM, InklingTextConfig  # the test extra pins 5.23.0
 
-from stepops.models.inkling import InklingRMSNorm
+from stepops.models.inkling import InklingConfig, InklingRMSNorm
 from stepops.models.inkling_checkpoint import load_inkling
 from stepops.models.layers import masked_attention
 from stepops.models.reference import inkling_layer_reference
@@ -208,6 +208,22 @@ def test_bad_weights_are_errors_that_name_them(checkpoint, tmp_path, edit, messa
 def test_unsupported_configs_are_errors(checkpoint, tmp_path, config_edit, message):
     with pytest.raises(ValueError, match=message):
         load_inkling(_single_file_copy(checkpoint, tmp_path, config_edit=config_edit))
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(mlp_layer_types=("dense",)), r"mlp_layer_types must give 'dense' or 'sparse' for each of the 2 layers"),
+        (dict(layer_types=("sliding", "local")), r"layer_types must be 'sliding' or 'global'"),
+        (dict(num_experts_per_tok=5), r"num_experts_per_tok \(5\) must be in 1..n_routed_experts \(4\)"),
+        (dict(n_shared_experts=0), r"sparse MLP layers need n_shared_experts >= 1"),
+        (dict(unpadded_vocab_size=129), r"unpadded_vocab_size \(129\) must be in 1..vocab_size \(128\)"),
+        (dict(num_heads=3), r"global layers: query heads \(3\) must be a multiple of KV heads \(2\)"),
+    ],
+)
+def test_bad_inkling_configs_are_value_errors(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        InklingConfig(**kwargs)
 
 
 # -- fp32, no cache -----------------------------------------------------------------------------------
