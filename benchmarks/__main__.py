@@ -2,7 +2,7 @@
 
     python -m benchmarks [--quick] [--json PATH] [--ops NAME ...] [--layers | --no-layers]
                          [--attention | --no-attention]
-    python -m benchmarks static          # the GPU-build table (registers, spills, load widths) + bytes/launch
+    python -m benchmarks static [--json PATH]  # GPU-build table + estimated decode launch time vs the byte floor
 
 Run from the repository root, or from anywhere as ``python path/to/benchmarks ...``. Results go to
 ``benchmarks/results/`` (JSON, CSV, and PNG plots when matplotlib is installed). See docs/performance.md.
@@ -31,7 +31,7 @@ def _parser() -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.split("\n")[0])
     parser.add_argument("command", nargs="?", choices=("run", "static"), default="run",
-                        help="run: time ops and layers (default); static: the GPU-build table with bytes per launch")
+                        help="run: time ops and layers (default); static: the GPU-build table and decode estimates")
     parser.add_argument("--quick", action="store_true", help="small sizes: under two minutes on a 2-core CPU")
     parser.add_argument("--tiny", action="store_true", help="one smallest case per op, no extras or layers (smoke test)")
     parser.add_argument("--json", type=Path, default=None, help="also write the JSON report to PATH")
@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "static":
         from benchmarks.static import main as static_main
 
-        return static_main()
+        return static_main(args.json)
 
     import torch
 
