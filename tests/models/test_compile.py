@@ -104,14 +104,14 @@ def test_token_count_one_compiles_a_second_graph():
     compiled = torch.compile(model, backend=backend, fullgraph=True)
     for fn, r in ((compiled, runner), (eager_model, eager_runner)):
         _schedule(r, [3], [0], seed=0)
-        hidden = r.hidden[:4]
+        hidden = r.inputs[:4]
         if fn is compiled:
             torch._dynamo.mark_dynamic(hidden, 0, min=2, max=MAX_TOKENS)
         with torch.inference_mode():
             fn(hidden, r.buffers)
         _schedule(r, [1], [3], seed=1)
         with torch.inference_mode():
-            out = fn(r.hidden[:1], r.buffers)
+            out = fn(r.inputs[:1], r.buffers)
         if fn is compiled:
             got = out
     assert backend.frame_count == 2

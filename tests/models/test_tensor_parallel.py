@@ -221,3 +221,16 @@ def test_shard_refuses_tp_above_kv_heads_and_unknown_keys():
         shard_inkling_state_dict({**full, "layers.0.extra": torch.zeros(1)}, CONFIG, tp_rank=0, tp_size=2)
     with pytest.raises(ValueError, match="tp_rank < tp_size"):
         shard_inkling_state_dict(full, CONFIG, tp_rank=2, tp_size=2)
+
+
+def test_tensor_parallel_imports_no_model():
+    """The dependency is one-way: models import tensor_parallel, never the reverse."""
+    import ast
+    import inspect
+
+    import stepops.models.tensor_parallel as module
+
+    tree = ast.parse(inspect.getsource(module))
+    imported = [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
+    imported += [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+    assert not [name for name in imported if name.startswith("stepops.models")], imported
