@@ -27,8 +27,9 @@ import sys
 from pathlib import Path
 
 # The estimate's constants (an H200; a GPU run replaces them with measurements):
-# - the cost of one kernel in a step, launch latency and grid drain: about 2 µs between dependent kernels
-#   on H100-class GPUs, which CUDA-graph replay does not remove (it removes the host's part);
+# - the cost of one kernel in a step, launch latency and grid drain: of the order of 2 µs between dependent
+#   kernels on H100-class GPUs launched from the host, somewhat less under CUDA-graph replay (an assumption
+#   until benchmarks/gpu_check.sh measures it; docs/performance.md gives the ratios at 0 and 1 µs too);
 LAUNCH_US = 2.0
 # - one global-memory round trip: HBM3/HBM3e latency on H100-class GPUs is 0.45-0.6 µs idle (pointer
 #   chasing, about 800-1000 cycles), more under load: 0.6 µs;
