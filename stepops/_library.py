@@ -1,11 +1,23 @@
 """The one path through which every stepops op is declared.
 
-Each op is a ``torch.library.custom_op`` in the ``stepops`` namespace whose schema is inferred from the
-annotations of its PyTorch kernel. That kernel is the readable specification and serves CPU; the Triton
-launcher serves CUDA; the fake from ``stepops._meta`` serves FakeTensor/Meta tracing. Declaring through
-:func:`declare_op` also records the op in a registry, so generic tests (``opcheck``, schema snapshots,
-"every op has a fake, both kernels, samples and error inputs", bad inputs) and benchmarks can iterate
-over all ops.
+Each op ``stepops::<name>`` is defined with the low-level ``torch.library.Library`` API: the schema is
+inferred from the annotations of its PyTorch kernel (``torch.library.infer_schema``, the same inference
+``custom_op`` uses, so the schemas are unchanged); that kernel is the readable specification and is the
+``CPU`` kernel; the Triton launcher is the ``CUDA`` kernel (a stand-in that explains how to install Triton
+where it is missing, see ``stepops._triton``); the fake from ``stepops._meta`` serves FakeTensor/Meta
+tracing; and one small ``Autograd`` kernel runs the op below autograd (the ops have no derivative).
+
+Why not ``torch.library.custom_op``: its Python layers (autograd, version bump, backend wrapper) cost
+25-70 us per eager call of a 9-tensor op on this project's CPUs, the low-level path 2-6 us (vLLM registers
+its ops this way for the same reason; ``docs/performance.md`` has the numbers). What ``custom_op`` gave
+and the low-level path keeps: the pt2-compliant tag, the fake, opcheck's four utils, auto-functionalised
+mutations under ``torch.compile``, version bumps of the mutated arguments, and an error, not a silent zero
+gradient, on backward.
+
+Declaring through :func:`declare_op` also records the op in a registry, so generic tests (``opcheck``,
+schema snapshots, "every op has a fake, both kernels, samples and error inputs", bad inputs) and
+benchmarks can iterate over all ops; :func:`register_op` is the registration alone, which the benchmarks
+use to declare no-op twins of every op registered exactly the same way.
 """
 
 from __future__ import annotations
@@ -69,7 +81,7 @@ class OpEntry:
     """Everything stepops knows about one declared op."""
 
     name: str
-    op: torch._library.custom_ops.CustomOpDef
+    overload: torch._ops.OpOverload  # torch.ops.stepops.<name>.default
     torch_kernel: Callable[..., Any]
     triton_kernel: Callable[..., Any]
     fake: Callable[..., Any]
@@ -80,12 +92,81 @@ class OpEntry:
     def qualname(self) -> str:
         return f"{NAMESPACE}::{self.name}"
 
-    @property
-    def overload(self) -> torch._ops.OpOverload:
-        return getattr(getattr(torch.ops, NAMESPACE), self.name).default
-
 
 _REGISTRY: dict[str, OpEntry] = {}
+# One Library per namespace, kept alive for the life of the process (dropping it would unregister the ops).
+_LIBRARIES: dict[str, torch.library.Library] = {}
+
+
+def _library(namespace: str) -> torch.library.Library:
+    if namespace not in _LIBRARIES:
+        _LIBRARIES[namespace] = torch.library.Library(namespace, "DEF")
+    return _LIBRARIES[namespace]
+
+
+class _NoDerivative(torch.autograd.Function):
+    """The path of a call whose inputs require grad: the forward runs below autograd as usual and any
+    output carries a backward that raises, as ``custom_op`` does for an op without an autograd formula."""
+
+    @staticmethod
+    def forward(ctx, op, keyset, *args):
+        ctx.op_name = op.name()
+        with torch._C._AutoDispatchBelowAutograd():
+            return op.redispatch(keyset, *args)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise RuntimeError(
+            f"{ctx.op_name} has no derivative: the stepops ops write caches for inference. Run them under "
+            "torch.inference_mode() or torch.no_grad(), or with inputs that do not require grad."
+        )
+
+
+def _autograd_kernel(op: torch._ops.OpOverload) -> Callable[..., Any]:
+    """The ``Autograd`` kernel of ``op``: bump the mutated arguments' versions, then run the backend kernel
+    below autograd. Without an ``Autograd`` kernel the dispatcher's fallback would run the PyTorch kernel
+    with autograd on, so an output would silently carry the gradient of the CPU kernel's internals (and
+    none on CUDA). Under ``torch.inference_mode()`` (how the models run) the dispatcher skips this kernel.
+    """
+    mutated = [i for i, a in enumerate(op._schema.arguments) if a.alias_info is not None and a.alias_info.is_write]
+    below = torch._C._after_autograd_keyset
+    increment_version = torch.autograd.graph.increment_version
+
+    def autograd_kernel(keyset, *args):
+        # Custom_op's ADInplaceOrView kernel bumps these too: autograd then refuses a backward that would
+        # read a tensor saved before the op overwrote it. (Optional arguments may be None.)
+        increment_version([args[i] for i in mutated if i < len(args) and args[i] is not None])
+        if torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
+            return _NoDerivative.apply(op, keyset & below, *args)
+        with torch._C._AutoDispatchBelowAutograd():
+            return op.redispatch(keyset & below, *args)
+
+    return autograd_kernel
+
+
+def register_op(
+    qualname: str,
+    *,
+    mutates_args: Sequence[str],
+    torch_kernel: Callable[..., Any],
+    cpu_kernel: Callable[..., Any] | None = None,
+    cuda_kernel: Callable[..., Any],
+    fake: Callable[..., Any],
+) -> torch._ops.OpOverload:
+    """Define ``qualname`` (``"namespace::name"``) with the schema of ``torch_kernel``'s annotations and
+    register its CPU kernel (``torch_kernel`` unless ``cpu_kernel`` is given), CUDA kernel, fake and
+    ``Autograd`` kernel; return the op's overload. No registry entry: :func:`declare_op` adds that."""
+    namespace, name = qualname.split("::")
+    lib = _library(namespace)
+    schema = torch.library.infer_schema(torch_kernel, mutates_args=tuple(mutates_args))
+    # custom_op tags its ops pt2-compliant (they trace under torch.compile): so do these.
+    lib.define(name + schema, tags=(torch.Tag.pt2_compliant_tag,))
+    lib.impl(name, torch_kernel if cpu_kernel is None else cpu_kernel, "CPU")
+    lib.impl(name, cuda_kernel, "CUDA")
+    torch.library.register_fake(qualname, fake, lib=lib)
+    op = getattr(getattr(torch.ops, namespace), name).default
+    lib.impl(name, _autograd_kernel(op), "Autograd", with_keyset=True)
+    return op
 
 
 def declare_op(
@@ -97,19 +178,23 @@ def declare_op(
     fake: Callable[..., Any],
     samples: SampleFn,
     error_inputs: ErrorInputFn,
-) -> torch._library.custom_ops.CustomOpDef:
-    """Declare ``stepops::<name>`` and record it in the registry.
+) -> torch._ops.OpOverload:
+    """Declare ``stepops::<name>`` (see :func:`register_op`) and record it in the registry.
 
     ``torch_kernel``'s annotations give the schema and its docstring documents the op. Cache writers
     return ``None`` and list the cache in ``mutates_args``; no op returns an alias of an input.
+    ``triton_kernel`` comes from :func:`stepops._triton.triton_launcher`, so a missing Triton only fails
+    a call on CUDA.
     """
     if name in _REGISTRY:
         raise ValueError(f"stepops op {name!r} is declared twice")
-    op = torch.library.custom_op(
-        f"{NAMESPACE}::{name}", torch_kernel, mutates_args=tuple(mutates_args), device_types="cpu"
+    op = register_op(
+        f"{NAMESPACE}::{name}",
+        mutates_args=mutates_args,
+        torch_kernel=torch_kernel,
+        cuda_kernel=triton_kernel,
+        fake=fake,
     )
-    op.register_kernel("cuda", triton_kernel)
-    op.register_fake(fake)
     _REGISTRY[name] = OpEntry(name, op, torch_kernel, triton_kernel, fake, samples, error_inputs)
     return op
 

@@ -1,0 +1,51 @@
+"""The registration every op goes through (``stepops._library``): what autograd sees of the ops.
+
+The ops have no derivative. A call whose inputs require grad computes what it computes without grad, and a
+backward through its output raises a clear error instead of returning the gradient of the CPU kernel's
+internals; the arguments the schema marks written get their version bumped, so autograd refuses a backward
+that would read a tensor the op overwrote. ``opcheck``'s ``test_autograd_registration`` (tests/test_opcheck.py)
+returns early when no input requires grad, which is every sample: here it runs with inputs that do.
+"""
+
+import pytest
+import torch
+from torch.testing._internal.optests import autograd_registration_check
+
+from stepops.testing import op_samples
+
+_SAMPLES = [s for s in op_samples() if "empty" not in s.name]
+
+
+def _written(op) -> list[int]:
+    return [i for i, a in enumerate(op._schema.arguments) if a.alias_info is not None and a.alias_info.is_write]
+
+
+def _with_grad(op, args):
+    """Copies of ``args``; the floating-point inputs the op does not write require grad."""
+    written = _written(op)
+    return tuple(
+        a.detach().clone().requires_grad_(a.is_floating_point() and i not in written) if isinstance(a, torch.Tensor)
+        else a
+        for i, a in enumerate(args)
+    )
+
+
+@pytest.mark.parametrize("sample", _SAMPLES, ids=[s.name for s in _SAMPLES])
+def test_inputs_that_require_grad(sample):
+    op, args, kwargs = sample
+    want = op(*[a.clone() if isinstance(a, torch.Tensor) else a for a in args], **kwargs)
+    grad_args = _with_grad(op, args)
+    assert any(isinstance(a, torch.Tensor) and a.requires_grad for a in grad_args)
+    autograd_registration_check(op, _with_grad(op, args), kwargs)
+    versions = {i: grad_args[i]._version for i in _written(op) if i < len(grad_args) and grad_args[i] is not None}
+    out = op(*grad_args, **kwargs)
+    for i, version in versions.items():
+        assert grad_args[i]._version > version, f"{op}: argument {i} is written but its version did not change"
+    if out is None:
+        return
+    assert torch.equal(out.detach(), want)
+    assert out.requires_grad
+    with pytest.raises(RuntimeError, match="has no derivative"):
+        out.float().sum().backward()
+    with torch.no_grad():
+        assert not op(*_with_grad(op, args), **kwargs).requires_grad
