@@ -8,12 +8,12 @@ import torch
 
 from stepops._library import declare_op
 from stepops._meta.csa_ring_update import check_csa_ring_update_args, csa_ring_update_fake
+from stepops._triton import triton_launcher
 from stepops.ops.bounds import check_ids
 from stepops.ops.csa_ring_update.metadata import CSARingMetadata, build_csa_ring_metadata
 from stepops.ops.csa_ring_update.samples import error_inputs as csa_ring_update_error_inputs
 from stepops.ops.csa_ring_update.samples import samples as csa_ring_update_samples
 from stepops.ops.csa_ring_update.torch_kernel import csa_ring_update as csa_ring_update_torch
-from stepops.ops.csa_ring_update.triton_kernel import csa_ring_update_triton
 
 __all__ = ["CSARingMetadata", "build_csa_ring_metadata", "csa_ring_update", "validate_csa_ring_update_inputs"]
 
@@ -21,7 +21,9 @@ declare_op(
     "csa_ring_update",
     mutates_args=("ring", "summary_cache"),
     torch_kernel=csa_ring_update_torch,
-    triton_kernel=csa_ring_update_triton,
+    triton_kernel=triton_launcher(
+        "stepops::csa_ring_update", "stepops.ops.csa_ring_update.triton_kernel", "csa_ring_update_triton"
+    ),
     fake=csa_ring_update_fake,
     samples=csa_ring_update_samples,
     error_inputs=csa_ring_update_error_inputs,

@@ -10,16 +10,18 @@ import torch
 
 from stepops._library import declare_op
 from stepops._meta.paged_kv_write import check_paged_kv_write_args, paged_kv_write_fake
+from stepops._triton import triton_launcher
 from stepops.ops.bounds import check_ids
 from stepops.ops.paged_kv_write.samples import paged_kv_write_error_inputs, paged_kv_write_samples
 from stepops.ops.paged_kv_write.torch_kernel import paged_kv_write_torch
-from stepops.ops.paged_kv_write.triton_kernel import paged_kv_write_triton
 
 declare_op(
     "paged_kv_write",
     mutates_args=("key_cache", "value_cache", "errors"),
     torch_kernel=paged_kv_write_torch,
-    triton_kernel=paged_kv_write_triton,
+    triton_kernel=triton_launcher(
+        "stepops::paged_kv_write", "stepops.ops.paged_kv_write.triton_kernel", "paged_kv_write_triton"
+    ),
     fake=paged_kv_write_fake,
     samples=paged_kv_write_samples,
     error_inputs=paged_kv_write_error_inputs,

@@ -13,10 +13,10 @@ import torch
 
 from stepops._library import declare_op
 from stepops._meta.sconv import check_sconv_args, sconv_fake
+from stepops._triton import triton_launcher
 from stepops.ops.sconv.metadata import SconvMetadata, build_sconv_metadata
 from stepops.ops.sconv.samples import error_inputs, samples
 from stepops.ops.sconv.torch_kernel import sconv_torch
-from stepops.ops.sconv.triton_kernel import sconv_triton
 
 __all__ = ["SconvMetadata", "build_sconv_metadata", "sconv", "validate_sconv_inputs"]
 
@@ -24,7 +24,7 @@ declare_op(
     "sconv",
     mutates_args=("cache", "errors"),
     torch_kernel=sconv_torch,
-    triton_kernel=sconv_triton,
+    triton_kernel=triton_launcher("stepops::sconv", "stepops.ops.sconv.triton_kernel", "sconv_triton"),
     fake=sconv_fake,
     samples=samples,
     error_inputs=error_inputs,

@@ -1,0 +1,40 @@
+"""Triton is optional: ``import stepops`` and every CPU path work without it (the idea of vLLM's
+``HAS_TRITON`` guard, done once here instead of in every op).
+
+``pyproject.toml`` installs Triton on Linux only. Each op names its Triton launcher by module and attribute
+through :func:`triton_launcher`; the launcher's module (and with it ``triton``) is imported only when
+Triton imports. Where it does not, the op's CUDA kernel is a stand-in that raises a ``RuntimeError`` naming
+the op and the fix, so a CUDA call fails clearly while CPU calls, fakes and ``torch.compile`` tracing work.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from typing import Any
+
+try:
+    import triton  # noqa: F401
+except ImportError as error:  # also a broken install: any import failure means no CUDA kernels
+    HAS_TRITON = False
+    TRITON_IMPORT_ERROR: str | None = f"{type(error).__name__}: {error}"
+else:
+    HAS_TRITON = True
+    TRITON_IMPORT_ERROR = None
+
+
+def triton_launcher(op: str, module: str, name: str) -> Callable[..., Any]:
+    """The launcher ``module.name`` of op ``op`` (e.g. ``"stepops::sconv"``), or, without Triton, a
+    stand-in with the same name that raises ``RuntimeError`` when called."""
+    if HAS_TRITON:
+        return getattr(importlib.import_module(module), name)
+
+    def triton_missing(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError(
+            f"{op}: the CUDA kernel is a Triton kernel ({module}.{name}) and Triton is not installed "
+            f"({TRITON_IMPORT_ERROR}). Install it with `pip install triton` (Linux), or run on CPU."
+        )
+
+    triton_missing.__name__ = triton_missing.__qualname__ = name
+    triton_missing.__module__ = module
+    return triton_missing
