@@ -84,7 +84,8 @@ def run_attention(
             }
             row["us_per_kv_mib"] = row["compiled_us"] / row["kv_read_mib"]
             rows.append(row)
-            log(f"  attention/{name}/ctx{context}: {row['compiled_us']:.0f} us, peak {row['peak_compiled_mib']:.1f} MiB")
+            log(f"  attention/{name}/ctx{context}: {row['compiled_us']:.0f} us, "
+                f"peak {row['peak_compiled_mib']:.1f} MiB")
         rows[-1]["max_abs_diff_vs_dense"] = (outputs["paged"].float() - outputs["dense"].float()).abs().max().item()
         del args, outputs
     growth = {}

@@ -120,7 +120,9 @@ def _check_attention_inputs(query: torch.Tensor, kv_cache: torch.Tensor, block_t
     if packed <= head_size:
         raise ValueError(f"kv_cache's last dim ({packed}) must hold K ({head_size}) and V after it")
     if block_table.dim() != 2 or block_table.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"block_table must be [R, max_blocks] int32/int64, got {tuple(block_table.shape)} {block_table.dtype}")
+        raise ValueError(
+            f"block_table must be [R, max_blocks] int32/int64, got {tuple(block_table.shape)} {block_table.dtype}"
+        )
 
 
 def _distance_bias(distance_bias: torch.Tensor, rows: torch.Tensor, distance: torch.Tensor) -> torch.Tensor:
@@ -173,7 +175,9 @@ def paged_attention(
     block_size, num_kv_heads = kv_cache.shape[1], kv_cache.shape[2]
     value_size = kv_cache.shape[3] - head_size
     if distance_bias is not None and (distance_bias.dim() != 3 or distance_bias.shape[:2] != (num_tokens, num_heads)):
-        raise ValueError(f"distance_bias must be [T, Hq, E] = [{num_tokens}, {num_heads}, E], got {tuple(distance_bias.shape)}")
+        raise ValueError(
+            f"distance_bias must be [T, Hq, E] = [{num_tokens}, {num_heads}, E], got {tuple(distance_bias.shape)}"
+        )
     group = num_heads // num_kv_heads
     max_blocks = block_table.shape[1]
     tiles = _query_tiles(token, block_table.shape[0], query_tile)
@@ -197,11 +201,12 @@ def paged_attention(
     state = _softmax_start((num_tiles, num_kv_heads, group * query_tile), value_size, device)
     for start in range(0, num_columns, columns_per_chunk):
         width = min(columns_per_chunk, num_columns - start)
-        # ``after`` is an exact 0 (|x| < 0 is false even for NaN) that depends on the previous chunk's whole
-        # fold, values included: it orders the chunks for a compiler, which may otherwise gather every chunk
-        # before folding any. Measured (benchmarks/bench_attention.py, 16k-token contexts): Inductor's CPU
-        # code fused the chunks' gathers horizontally, compiled peak 80 MiB without it, 9 MiB with it.
-        after = (state.acc[:1, :1, :1, :1].abs() < 0).long().view(1, 1)
+        # ``after`` is an exact 0 (x < 0 is false even for NaN; sums and |x| are never < 0) that depends on
+        # the previous chunk's whole fold (sum and values): it orders the chunks for a compiler, which may
+        # otherwise gather every chunk before folding any, or keep every chunk's weights for one late sum.
+        # Measured (benchmarks/bench_attention.py, 16k-token contexts, Inductor CPU): compiled peak 80 MiB
+        # with no ordering, 32 MiB ordered on the values alone, 17 MiB as here (17 MiB at 1k).
+        after = ((state.acc[:1, :1, :1, :1].abs() < 0) | (state.sum[:1, :1, :1] < 0)).long().view(1, 1)
         column = first_column[:, None] + start + torch.arange(width, device=device) + after  # [tiles, C]
         block = table.gather(1, column.clamp(max=max_blocks - 1))
         live = (column < max_blocks) & (block >= 0)
@@ -211,11 +216,13 @@ def paged_attention(
         allowed = live.repeat_interleave(block_size, 1)[:, None, :] & (distance >= 0) & (q_position >= 0)
         if sliding_window is not None:
             allowed = allowed & (distance < sliding_window)
-        # K and V gathered apart, each straight into its fp32 operand: gathering [K | V] rows once made
-        # Inductor keep a bf16 copy of the chunk beside them (compiled peak 17 MiB instead of 9 at 4k+).
+        # K and V gathered apart, each straight into its fp32 operand: a joint [K | V] gather made Inductor
+        # keep a bf16 copy of the chunk beside them (compiled peak 18 MiB instead of 17 at 4k+).
         key = kv_cache[..., :head_size][block].flatten(1, 2)  # [tiles, C * N, Hkv, D]
-        scores = (q @ key.float().permute(0, 2, 3, 1)) * scale  # [tiles, Hkv, G * Qt, C * N]
-        scores = scores.view(num_tiles, num_kv_heads, group, query_tile, -1)
+        # K @ q^T, then the small product transposed: torch 2.11's Inductor CPU code failed to compile the
+        # transposed bf16 gather that q @ K^T asks for (an undeclared temporary in transpose_mxn).
+        scores = (key.float().transpose(1, 2) @ q.transpose(-1, -2)).transpose(-1, -2) * scale
+        scores = scores.view(num_tiles, num_kv_heads, group, query_tile, -1)  # [tiles, Hkv, G, Qt, C * N]
         if distance_bias is not None:
             bias = _distance_bias(distance_bias, tiles.token.clamp(min=0), distance)  # [tiles, Qt, Hq, C * N]
             scores = scores + bias.view(num_tiles, query_tile, num_kv_heads, group, -1).permute(0, 2, 3, 1, 4)
@@ -254,10 +261,11 @@ def sparse_region_attention(
     value_size = kv_cache.shape[3] - head_size
     if block_size % REGION_SIZE:
         raise ValueError(f"block size ({block_size}) must be a multiple of the region size {REGION_SIZE}")
-    if selected_regions.dim() != 3 or selected_regions.shape[0] != num_tokens or num_kv_heads % selected_regions.shape[1]:
+    shape = tuple(selected_regions.shape)
+    if len(shape) != 3 or shape[0] != num_tokens or shape[1] == 0 or num_kv_heads % shape[1]:
         raise ValueError(
             f"selected_regions must be [T, G, K] with T = {num_tokens} and G dividing Hkv = {num_kv_heads}, "
-            f"got {tuple(selected_regions.shape)}"
+            f"got {shape}"
         )
     num_groups = selected_regions.shape[1]
     heads_per_group = num_kv_heads // num_groups

@@ -110,7 +110,8 @@ def fp64_recompute(step: Step, scale: float, window=None, bias=None, regions=Non
                 keep &= k_pos > p - window
             if bias is not None:
                 d = p - k_pos
-                scores = scores + torch.where(d < bias.shape[-1], bias[t, h].double()[d.clamp(max=bias.shape[-1] - 1)], 0.0)
+                extent = bias.shape[-1]
+                scores = scores + torch.where(d < extent, bias[t, h].double()[d.clamp(max=extent - 1)], 0.0)
             if regions is not None:
                 g = kv_head // (HKV // regions.shape[1])
                 chosen = set(regions[t, g].tolist()) | {p // 8}
@@ -310,14 +311,16 @@ def test_compiled_memory_does_not_grow_with_the_context():
     [
         (lambda s: paged_attention(s.query[0], s.kv_cache, s.block_table, s.token, scale=1.0), "query must be"),
         (lambda s: paged_attention(s.query[:, :3], s.kv_cache, s.block_table, s.token, scale=1.0), "multiple of KV"),
-        (lambda s: paged_attention(s.query, s.kv_cache, s.block_table, s.token, scale=1.0, sliding_window=0), "sliding_window"),
+        (lambda s: paged_attention(s.query, s.kv_cache, s.block_table, s.token, scale=1.0, sliding_window=0),
+         "sliding_window"),
         (lambda s: paged_attention(s.query, s.kv_cache, s.block_table, s.token, scale=1.0,
                                    distance_bias=torch.zeros(1, HQ, 3)), "distance_bias"),
         (lambda s: paged_attention(s.query, s.kv_cache, s.block_table.float(), s.token, scale=1.0), "block_table"),
         (lambda s: sparse_region_attention(s.query, s.kv_cache, s.block_table, s.token,
                                            torch.zeros(4, 3, 1, dtype=torch.long), scale=1.0), "selected_regions"),
         (lambda s: sparse_region_attention(s.query, s.kv_cache[:, :4], s.block_table, s.token,
-                                           torch.zeros(4, 1, 1, dtype=torch.long), scale=1.0), "multiple of the region"),
+                                           torch.zeros(4, 1, 1, dtype=torch.long), scale=1.0),
+         "multiple of the region"),
         (lambda s: streaming_topk(lambda a, b: torch.zeros(1, b), 5, 0, 2), "k \\(0\\)"),
     ],
 )
