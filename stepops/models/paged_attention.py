@@ -347,20 +347,28 @@ def csa_region_scorer(
     summary_block_size: int,
     token: TokenMetadata,
 ) -> Callable[[int, int], torch.Tensor]:
-    """A :func:`streaming_topk` scorer for today's Step5 indexer (one selection for all heads).
+    """A :func:`streaming_topk` scorer for the Step5 indexer, per KV group: ``[T, G, size]`` fp32 scores.
 
-    ``score[t, r] = sum_h relu(index_query[t, h] . summary[r]) * index_weights[t, h]`` in fp32 for regions
-    before the token's own (``r < position // 8``), ``-inf`` otherwise; ``index_query [T, Hi, P]``,
-    ``index_weights [T, Hi]`` fp32, ``summary_cache [num_slots, P]``. Each chunk gathers ``[T, size, P]``
-    summaries. A per-KV-group indexer passes its own callable returning ``[T, G, size]``.
+    ``score[t, g, r] = sum_h relu(index_query[t, g, h] . summary[r]) * index_weights[t, g, h]`` for regions
+    before the token's own (``r < position // 8``), ``-inf`` otherwise. ``index_query [T, G, H, P]`` (any
+    float dtype, e.g. already rounded to e4m3 values; ``G = 1`` for one selection for all heads),
+    ``index_weights [T, G, H]`` fp32, ``summary_cache [num_slots, P]`` (uint8 holding float8_e4m3fn codes, or
+    any float dtype). Each chunk gathers ``[T, size, P]`` summaries, never ``[T, num_regions, P]``. Feed
+    ``torch.where(values > -inf, ids, -1)`` of the top-k to :func:`sparse_region_attention`.
     """
-    own = (token.position.long() // REGION_SIZE)[:, None]
+    if index_query.dim() != 4 or index_weights.shape != index_query.shape[:3]:
+        raise ValueError(
+            f"index_query must be [T, G, H, P] and index_weights [T, G, H]; got {tuple(index_query.shape)} "
+            f"and {tuple(index_weights.shape)}"
+        )
+    summaries = summary_cache.view(torch.float8_e4m3fn) if summary_cache.dtype == torch.uint8 else summary_cache
+    own = (token.position.long() // REGION_SIZE)[:, None, None]
 
     def score_chunk(start: int, size: int) -> torch.Tensor:
         slots = region_summary_slots(summary_block_table, summary_block_size, token.request, start, size)
-        per_head = torch.einsum("thp,trp->thr", index_query.float(), summary_cache[slots].float())
-        scores = (torch.relu(per_head) * index_weights[:, :, None]).sum(1)
+        per_head = torch.einsum("tghp,trp->tghr", index_query.float(), summaries[slots].float())
+        scores = (torch.relu(per_head) * index_weights[..., None]).sum(2)  # [T, G, size]
         region = torch.arange(start, start + size, device=scores.device)
-        return scores.masked_fill(region[None, :] >= own, float("-inf"))
+        return scores.masked_fill(region >= own, float("-inf"))
 
     return score_chunk

@@ -242,27 +242,27 @@ def test_streaming_topk_equals_stable_sort(num_items, k, chunk):
 
 
 def test_csa_region_scorer_selects_as_the_dense_indexer():
-    """The Step5 layer's dense selection ([T, num_regions] scores over summary_cache[summary_slots]) and the
-    streaming one select the same regions, ties included (a zeroed query ties every region at exactly 0).
-    Scores match to an fp32 ulp, not bitwise: the chunk's einsum is a smaller BLAS call than the dense one."""
+    """The Step5 layer's dense per-KV-group selection ([T, G, num_regions] scores over the e4m3 summaries at
+    summary_slots) and the streaming one select the same regions, ties included (a zeroed query ties every
+    region at exactly 0). Scores match to an fp32 ulp, not bitwise: a chunk's einsum is a smaller BLAS call."""
     gen = torch.Generator().manual_seed(3)
     step = make_step([70, 9, 33], [1, 4, 2], 8, block_size=8, max_blocks=12)
-    hi, proxy, summary_block_size, num_regions = 4, 32, 4, 12
-    iq = torch.randn(8, hi, proxy, generator=gen).to(torch.bfloat16)
+    groups, heads, proxy, summary_block_size, num_regions = 2, 3, 32, 4, 12
+    iq = torch.randn(8, groups, heads, proxy, generator=gen).to(torch.float8_e4m3fn).float()
     iq[1:3] = 0  # every score 0: ties resolved by id
-    weights = torch.randn(8, hi, generator=gen)
-    summary = torch.randn(40, proxy, generator=gen).to(torch.bfloat16)
+    weights = torch.randn(8, groups, heads, generator=gen)
+    summary = torch.randn(40, proxy, generator=gen).to(torch.float8_e4m3fn).view(torch.uint8)  # as the cache
     summary_table = torch.randperm(10, generator=gen)[:9].view(3, 3).int()
     scorer = csa_region_scorer(iq, weights, summary, summary_table, summary_block_size, step.token)
     values, ids = streaming_topk(scorer, num_regions, 3, 5)
 
     slots = region_summary_slots(summary_table, summary_block_size, step.token.request, 0, num_regions)
-    dense = torch.einsum("thp,trp->thr", iq.float(), summary[slots].float())
-    dense = (torch.relu(dense) * weights[:, :, None]).sum(1)
-    dense = dense.masked_fill(torch.arange(num_regions) >= step.token.position.long()[:, None] // 8, float("-inf"))
-    ranked = torch.sort(dense, dim=-1, descending=True, stable=True)
-    assert torch.equal(ids, ranked.indices[:, :3])
-    torch.testing.assert_close(values, ranked.values[:, :3], atol=1e-6, rtol=1e-6)
+    dense = torch.einsum("tghp,trp->tghr", iq, summary[slots].view(torch.float8_e4m3fn).float())
+    dense = (torch.relu(dense) * weights[..., None]).sum(2)
+    later = torch.arange(num_regions) >= (step.token.position.long() // 8)[:, None, None]
+    ranked = torch.sort(dense.masked_fill(later, float("-inf")), dim=-1, descending=True, stable=True)
+    assert torch.equal(ids, ranked.indices[..., :3])
+    torch.testing.assert_close(values, ranked.values[..., :3], atol=1e-6, rtol=1e-6)
 
 
 def _all_three(step: Step, bias: torch.Tensor, ids: torch.Tensor):
@@ -322,6 +322,8 @@ def test_compiled_memory_does_not_grow_with_the_context():
                                            torch.zeros(4, 1, 1, dtype=torch.long), scale=1.0),
          "multiple of the region"),
         (lambda s: streaming_topk(lambda a, b: torch.zeros(1, b), 5, 0, 2), "k \\(0\\)"),
+        (lambda s: csa_region_scorer(torch.zeros(4, 3, 8), torch.zeros(4, 3), torch.zeros(5, 8), s.block_table, 4,
+                                     s.token), "index_query must be"),
     ],
 )
 def test_bad_inputs_are_value_errors(call, match):
