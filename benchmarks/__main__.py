@@ -76,6 +76,9 @@ def main(argv: list[str] | None = None) -> int:
         result = harness.run_op(name, settings, copy_gbps, _log)
         report["ops"].append(result)
         print(harness.format_op_table(result), flush=True)
+    print(harness.format_host_costs(report["ops"]), flush=True)
+    report["metadata"] = harness.metadata_op_counts(device)
+    print(harness.format_metadata_counts(report["metadata"]), flush=True)
     # Compiling two decoder models costs ~50 s on a 2-core CPU: off in --quick unless asked for.
     if args.layers or not (args.no_layers or args.quick or args.tiny):
         from benchmarks.bench_layers import format_layers, run_layers

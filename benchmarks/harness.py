@@ -17,6 +17,12 @@ CUDA), ``naive`` and ``compiled`` (the op's PyTorch kernel under ``torch.compile
 timed, each baseline runs once on fresh inputs and its output and every byte of the storage behind every
 argument the op mutates must equal the op's (a benchmark of a wrong baseline is worthless).
 
+Host path (issue 16): each op's eager call against its no-op twin, the same schema registered the same
+way (``stepops._library.register_op``) with a kernel that does nothing, and against the same twin
+registered with ``torch.library.custom_op`` (the registration before); the bar is host path / twin <= 1.5
+(see :func:`_host_cost` for what the host path is on CPU and CUDA). ``metadata_op_counts``: the aten ops
+of one step's metadata build per model.
+
 Times are medians: ``torch.utils.benchmark`` on CPU (one thread by default); ``triton.testing.do_bench``
 on CUDA, and ``do_bench_cudagraph`` for the op replayed from a CUDA graph. Achieved bandwidth is ``floor / time``, also as a percentage
 of a device-to-device copy measured in the same run.
@@ -147,7 +153,9 @@ def state_after(op: torch._ops.OpOverload, fn: Callable[..., Any], workload: Wor
     """Run ``fn(*args)`` once; return its output and a copy of each mutated argument's whole storage."""
     out = fn(*workload.args)
     names = [a.name for a in op._schema.arguments]
-    state = {names[i]: _storage(workload.args[i]).clone() for i in mutated_arguments(op)}
+    # An optional written argument left out (the ``errors`` counter) is not state.
+    state = {names[i]: _storage(workload.args[i]).clone() for i in mutated_arguments(op)
+             if i < len(workload.args) and workload.args[i] is not None}
     if isinstance(out, torch.Tensor):
         state["out"] = out.clone()
     return state
@@ -262,19 +270,191 @@ def run_op(name: str, settings: Settings, copy_gbps: float, log: Callable[[str],
     return result
 
 
+def _written(op: torch._ops.OpOverload) -> list[str]:
+    return [a.name for a in op._schema.arguments if a.alias_info is not None and a.alias_info.is_write]
+
+
+def _noop_kernel(op: torch._ops.OpOverload) -> Callable[..., Any]:
+    """A kernel that does nothing: returns None, or for an op that returns a tensor a new tensor shaped
+    like its first argument (the allocation any such op makes)."""
+    if not op._schema.returns:
+        return lambda *args: None
+    return lambda *args: torch.empty_like(args[0])
+
+
+_TWINS: dict[tuple[str, str], torch._ops.OpOverload] = {}
+
+
+def noop_twin(entry, how: str = "register_op") -> torch._ops.OpOverload:
+    """The no-op twin of ``entry``'s op: its schema, registered the way stepops registers its ops
+    (``stepops._library.register_op``: Library.define + CPU/CUDA/fake/Autograd), or with ``how="custom_op"``
+    through ``torch.library.custom_op`` (stepops' registration until 2026-12, for the before/after)."""
+    key = (entry.name, how)
+    if key not in _TWINS:
+        kernel = _noop_kernel(entry.overload)
+        if how == "register_op":
+            from stepops._library import register_op
+
+            _TWINS[key] = register_op(
+                f"stepops_twin::{entry.name}", mutates_args=_written(entry.overload), torch_kernel=entry.torch_kernel,
+                cpu_kernel=kernel, cuda_kernel=kernel, fake=entry.fake,
+            )
+        elif how == "custom_op":
+            schema = torch.library.infer_schema(entry.torch_kernel, mutates_args=_written(entry.overload))
+            twin = torch.library.custom_op(
+                f"stepops_twin_custom_op::{entry.name}", kernel, mutates_args=_written(entry.overload),
+                device_types="cpu", schema=schema,
+            )
+            twin.register_kernel("cuda", kernel)
+            twin.register_fake(entry.fake)
+            _TWINS[key] = getattr(torch.ops.stepops_twin_custom_op, entry.name).default
+        else:
+            raise ValueError(f"how must be 'register_op' or 'custom_op', got {how!r}")
+    return _TWINS[key]
+
+
 def _host_cost(module, entry, case: Case, settings: Settings) -> dict[str, Any]:
-    """One eager call of the custom op against calling its kernel function directly, on the smallest case."""
+    """The host path of one eager call against the op's no-op twin, on the smallest case, under
+    ``torch.inference_mode()`` as the models run (the dispatcher then skips the Autograd kernel).
+
+    ``host_path_us`` is the eager call less the kernel's work on the tokens. On CUDA that is the call
+    itself (the kernel runs asynchronously; the loop is host-bound). On CPU the PyTorch kernel's work is
+    the call's, so the host path is measured as the op's registration running the argument checks and
+    output allocation that every kernel entry runs, i.e. the op's fake registered as its kernel.
+    ``host_path_vs_twin`` is the issue-16 bar (at most 1.5).
+    """
     args = module.build(case, settings.device).args
     kernel = entry.triton_kernel if settings.device.type == "cuda" else entry.torch_kernel
-    op_us = host_us(lambda: entry.overload(*args), settings)
-    kernel_us = host_us(lambda: kernel(*args), settings)
+    twin = noop_twin(entry)
+    custom_op_twin = noop_twin(entry, "custom_op")
+    with torch.inference_mode():
+        op_us = host_us(lambda: entry.overload(*args), settings)
+        kernel_us = host_us(lambda: kernel(*args), settings)
+        twin_us = host_us(lambda: twin(*args), settings)
+        custom_op_twin_us = host_us(lambda: custom_op_twin(*args), settings)
+        if settings.device.type == "cuda":
+            host_path_us = op_us
+        else:
+            checks = noop_twin_with_checks(entry)
+            host_path_us = host_us(lambda: checks(*args), settings)
+        checks_us = host_us(lambda: entry.fake(*args), settings)
     return {
         "case": case.name,
-        "custom_op_us": op_us,
+        "op_us": op_us,
         "kernel_function_us": kernel_us,
         "dispatch_overhead_us": op_us - kernel_us,
         "kernel_function": f"{kernel.__module__}.{kernel.__name__}",
+        "twin_us": twin_us,
+        "custom_op_twin_us": custom_op_twin_us,
+        "argument_checks_us": checks_us,
+        "host_path_us": host_path_us,
+        "host_path": "eager call" if settings.device.type == "cuda" else "registration + argument checks + outputs",
+        "host_path_vs_twin": host_path_us / twin_us,
     }
+
+
+def noop_twin_with_checks(entry) -> torch._ops.OpOverload:
+    """The op's schema registered like the op with its fake (the kernel entry's argument checks and output
+    allocation) as the CPU and CUDA kernel: the CPU stand-in for an eager call's host path."""
+    key = (entry.name, "checks")
+    if key not in _TWINS:
+        from stepops._library import register_op
+
+        _TWINS[key] = register_op(
+            f"stepops_twin_checks::{entry.name}", mutates_args=_written(entry.overload),
+            torch_kernel=entry.torch_kernel, cpu_kernel=entry.fake, cuda_kernel=entry.fake, fake=entry.fake,
+        )
+    return _TWINS[key]
+
+
+# --------------------------------------------------------------------------------------------------------
+# Metadata builds: aten ops per model step
+# --------------------------------------------------------------------------------------------------------
+
+
+def count_aten_ops(fn: Callable[[], Any]) -> tuple[int, dict[str, int]]:
+    """The aten ops ``fn()`` dispatches (each a kernel launch on a GPU), in total and by name."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    counts: dict[str, int] = {}
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = str(func.overloadpacket)
+            counts[name] = counts.get(name, 0) + 1
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        fn()
+    return sum(counts.values()), dict(sorted(counts.items(), key=lambda kv: -kv[1]))
+
+
+def metadata_op_counts(device: torch.device, num_requests: int = 16) -> dict[str, Any]:
+    """Aten ops of one decode step's metadata (``num_requests`` requests, one token each, padded to the
+    runner's capture size) for each model, and of each builder on its own."""
+    from stepops.models import InklingConfig, InklingModel, Step5Config, Step5Model
+    from stepops.models.metadata import build_inkling_metadata, build_step5_metadata
+    from stepops.models.runner import ScheduledRequest, StepRunner
+    from stepops.ops.csa_ring_update.metadata import build_csa_ring_metadata
+    from stepops.ops.sconv.metadata import build_sconv_metadata
+    from stepops.ops.step_metadata import build_token_metadata
+
+    result: dict[str, Any] = {"num_requests": num_requests}
+    for name, model_cls, config in (("step5", Step5Model, Step5Config()), ("inkling", InklingModel, InklingConfig())):
+        torch.manual_seed(0)
+        with torch.device(device):
+            model = model_cls(config)
+        runner = StepRunner(model, max_requests=num_requests, max_model_len=64, max_tokens=num_requests,
+                            device=device, seed=0)
+        hidden = model.config.hidden_size
+        batch = [ScheduledRequest(r, 9 + r, torch.zeros(1, hidden, dtype=torch.bfloat16)) for r in range(num_requests)]
+        size = runner.padded_size(runner._fill_buffers(batch))
+        b = runner.buffers
+        builders: dict[str, Callable[[], Any]] = {"token": lambda: build_token_metadata(b.query_start_loc, b.seq_lens, size)}
+        if name == "step5":
+            builders["step"] = lambda: build_step5_metadata(
+                b, size, attn_block_size=model.attn_block_size, rows_per_block=model.rows_per_block,
+                summary_block_size=model.summary_block_size,
+            )
+            builders["csa_ring_update"] = lambda: build_csa_ring_metadata(
+                b.query_start_loc, b.seq_lens, b.ring_blocks, model.rows_per_block, b.summary_block_table,
+                model.summary_block_size, size,
+            )
+        else:
+            builders["step"] = lambda: build_inkling_metadata(
+                b, size, attn_block_size=model.attn_block_size, conv_block_size=model.conv_block_size
+            )
+            builders["sconv"] = lambda: build_sconv_metadata(
+                b.query_start_loc, b.seq_lens, b.conv_block_table, model.conv_block_size, size
+            )
+        counts = {}
+        with torch.inference_mode():
+            for builder, fn in builders.items():
+                total, by_name = count_aten_ops(fn)
+                counts[builder] = {"aten_ops": total, "by_op": by_name}
+        result[name] = {"num_tokens": size, **counts}
+    return result
+
+
+def format_metadata_counts(result: dict[str, Any]) -> str:
+    lines = [f"aten ops per metadata build (decode, {result['num_requests']} requests)"]
+    for model in ("step5", "inkling"):
+        counts = result[model]
+        parts = ", ".join(f"{k} {v['aten_ops']}" for k, v in counts.items() if isinstance(v, dict))
+        lines.append(f"  {model}: {parts}")
+    return "\n".join(lines)
+
+
+def format_host_costs(results: Sequence[dict[str, Any]]) -> str:
+    lines = ["host path of one eager call vs its no-op twin (inference mode, smallest case; bar: <= 1.5x)"]
+    for result in results:
+        h = result["host_cost_us"]
+        lines.append(
+            f"  {result['op']}: host path {h['host_path_us']:.1f} us ({h['host_path']}) = "
+            f"{h['host_path_vs_twin']:.2f}x twin {h['twin_us']:.1f} us; argument checks {h['argument_checks_us']:.1f} us; "
+            f"custom_op twin {h['custom_op_twin_us']:.1f} us; eager call {h['op_us']:.1f} us"
+        )
+    return "\n".join(lines)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -335,8 +515,9 @@ def format_op_table(result: dict[str, Any]) -> str:
     lines = [f"{result['op']}  (floor: {result['floor']})"]
     lines += ["  " + "  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in rows]
     h = result["host_cost_us"]
-    lines.append(f"  host cost ({h['case']}): custom op {h['custom_op_us']:.1f} us, kernel function "
-                 f"{h['kernel_function_us']:.1f} us, dispatch {h['dispatch_overhead_us']:.1f} us")
+    lines.append(f"  host cost ({h['case']}): eager call {h['op_us']:.1f} us, kernel function "
+                 f"{h['kernel_function_us']:.1f} us, dispatch {h['dispatch_overhead_us']:.1f} us; host path "
+                 f"{h['host_path_us']:.1f} us = {h['host_path_vs_twin']:.2f}x its no-op twin ({h['twin_us']:.1f} us)")
     for name, extra in result.get("extras", {}).items():
         lines.append(f"  {name}: {extra['summary']}")
     return "\n".join(lines)

@@ -44,7 +44,10 @@ def test_tiny_run_writes_every_op_with_floor_times_and_both_ratios(tmp_path):
     assert sorted(r["op"] for r in report["ops"]) == sorted(OPS)
     for result in report["ops"]:
         assert result["floor"]
-        assert result["host_cost_us"]["custom_op_us"] > 0 and result["host_cost_us"]["kernel_function_us"] > 0
+        host = result["host_cost_us"]
+        for key in ("op_us", "kernel_function_us", "twin_us", "custom_op_twin_us", "argument_checks_us", "host_path_us"):
+            assert host[key] > 0, key
+        assert host["host_path_vs_twin"] == host["host_path_us"] / host["twin_us"]
         assert result["cases"]
         for case in result["cases"]:
             assert case["checked"] == {"naive": True, "compiled": True}
@@ -55,6 +58,30 @@ def test_tiny_run_writes_every_op_with_floor_times_and_both_ratios(tmp_path):
             assert all(r > 0 for r in case["ratio_vs_stepops"].values())
     for line in (f"{op}  (floor:" for op in OPS):
         assert line in run.stdout
+    assert "no-op twin" in run.stdout and "aten ops per metadata build" in run.stdout
+    for model in ("step5", "inkling"):
+        counts = report["metadata"][model]
+        assert counts["step"]["aten_ops"] >= counts["token"]["aten_ops"] > 0
+
+
+def test_no_op_twins_have_the_op_schema():
+    """The twins are registered like the ops (same schema, same dispatch keys), only their kernels differ."""
+    for op in OPS:
+        entry = harness._entry(op)
+        for how in ("register_op", "custom_op"):
+            twin = harness.noop_twin(entry, how)
+            assert str(twin._schema).split("::", 1)[1] == str(entry.overload._schema).split("::", 1)[1]
+        twin = harness.noop_twin(entry)
+        for key in ("CPU", "CUDA", "Meta", "Autograd"):
+            assert torch._C._dispatch_has_kernel_for_dispatch_key(twin.name(), key) == (
+                torch._C._dispatch_has_kernel_for_dispatch_key(entry.qualname, key)
+            ), (op, key)
+
+
+def test_count_aten_ops():
+    x = torch.arange(4)
+    total, by_op = harness.count_aten_ops(lambda: (x + 1).clamp(max=2) * 2)
+    assert total == 3 and by_op == {"aten.add": 1, "aten.clamp": 1, "aten.mul": 1}
 
 
 def test_floors_counted_by_hand():
