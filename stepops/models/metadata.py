@@ -119,6 +119,7 @@ def build_step5_metadata(
         buffers.summary_block_table,
         summary_block_size,
         num_tokens,
+        token=token,
     )
     num_regions = buffers.attn_block_table.shape[1] * attn_block_size // REGION_SIZE
     region = torch.arange(num_regions, device=buffers.query_start_loc.device)
@@ -157,7 +158,7 @@ def build_inkling_metadata(
     """Derive an Inkling step's metadata from ``buffers`` on their device, for ``num_tokens`` tokens."""
     token = build_token_metadata(buffers.query_start_loc, buffers.seq_lens, num_tokens)
     sconv = build_sconv_metadata(
-        buffers.query_start_loc, buffers.seq_lens, buffers.conv_block_table, conv_block_size, num_tokens
+        buffers.query_start_loc, buffers.seq_lens, buffers.conv_block_table, conv_block_size, num_tokens, token=token
     )
     return InklingStepMetadata(
         token=token,

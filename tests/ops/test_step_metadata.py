@@ -98,3 +98,28 @@ def test_csa_builder_rejects_a_negative_ring_block_on_cpu():
 
     with pytest.raises(ValueError, match=r"build_csa_ring_metadata: ring_blocks\[1\] = -1 for a request with tokens"):
         build_csa_ring_metadata(_i32([0, 1, 3]), _i32([4, 9]), _i32([0, -1]), 10, torch.zeros(2, 1, dtype=torch.int32), 4, 4)
+
+
+def test_op_builders_derive_from_given_token_metadata():
+    """A model step builds the token metadata once and hands them to each op's builder: same results as the
+    builders building their own, and token metadata of another step size are refused."""
+    from stepops.ops.csa_ring_update.metadata import build_csa_ring_metadata
+    from stepops.ops.sconv.metadata import build_sconv_metadata
+
+    qsl = torch.tensor([0, 3, 4, 9], dtype=torch.int32)
+    seq_lens = torch.tensor([10, 8, 21], dtype=torch.int32)
+    num_tokens = 12
+    ring_blocks = torch.tensor([2, 0, 1], dtype=torch.int32)
+    summary_table = torch.tensor([[0, 1], [2, 3], [4, 5]], dtype=torch.int32)
+    conv_table = torch.arange(3 * 6, dtype=torch.int32).view(3, 6)
+    token = build_token_metadata(qsl, seq_lens, num_tokens)
+    builders = {
+        "ring": lambda **kw: build_csa_ring_metadata(qsl, seq_lens, ring_blocks, 16, summary_table, 2, num_tokens, **kw),
+        "sconv": lambda **kw: build_sconv_metadata(qsl, seq_lens, conv_table, 4, num_tokens, **kw),
+    }
+    for name, build in builders.items():
+        for got, want in zip(build(token=token), build()):
+            assert torch.equal(got, want), name
+        short = build_token_metadata(qsl, seq_lens, num_tokens + 1)
+        with pytest.raises(ValueError, match=rf"token.request must be int32 \[{num_tokens}\]"):
+            build(token=short)

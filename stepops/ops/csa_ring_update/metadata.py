@@ -7,7 +7,7 @@ from typing import NamedTuple
 import torch
 
 from stepops._meta.csa_ring_update import REGION_SIZE
-from stepops.ops.step_metadata import build_token_metadata, check_same_device
+from stepops.ops.step_metadata import TokenMetadata, build_token_metadata, check_same_device, reuse_token_metadata
 
 
 class CSARingMetadata(NamedTuple):
@@ -28,6 +28,8 @@ def build_csa_ring_metadata(
     summary_block_table: torch.Tensor,
     summary_block_size: int,
     num_tokens: int,
+    *,
+    token: TokenMetadata | None = None,
 ) -> CSARingMetadata:
     """Build the metadata of one step for :func:`stepops.csa_ring_update`.
 
@@ -40,7 +42,8 @@ def build_csa_ring_metadata(
     A closing token gets slot ``-1`` (no summary is written) when that block-table entry is negative or its
     column is past the table's width. The four tensors must share one device (``ValueError`` otherwise);
     every output is on it and has length ``num_tokens``; nothing is read back to the host, so the builder
-    can run inside a CUDA graph.
+    can run inside a CUDA graph. ``token``: the step's :class:`~stepops.ops.step_metadata.TokenMetadata`
+    when the caller has built them from the same arguments (a model step builds them once).
     """
     check_same_device(
         "build_csa_ring_metadata",
@@ -66,7 +69,10 @@ def build_csa_ring_metadata(
     for name, value in (("rows_per_block", rows_per_block), ("summary_block_size", summary_block_size)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{builder}: {name} must be an int >= 1, got {value!r}")
-    token = build_token_metadata(query_start_loc, seq_lens, num_tokens, builder=builder)
+    if token is None:
+        token = build_token_metadata(query_start_loc, seq_lens, num_tokens, builder=builder)
+    else:
+        reuse_token_metadata(builder, token, num_tokens)
     if ring_blocks.device.type == "cpu" and not torch.compiler.is_compiling():
         # Free to check on CPU: a negative block would put a ring before the cache.
         has_tokens = query_start_loc[1:] > query_start_loc[:-1]

@@ -6,7 +6,7 @@ from typing import NamedTuple
 
 import torch
 
-from stepops.ops.step_metadata import build_token_metadata, check_same_device
+from stepops.ops.step_metadata import TokenMetadata, build_token_metadata, check_same_device, reuse_token_metadata
 
 
 class SconvMetadata(NamedTuple):
@@ -24,6 +24,8 @@ def build_sconv_metadata(
     block_table: torch.Tensor,
     block_size: int,
     num_tokens: int,
+    *,
+    token: TokenMetadata | None = None,
 ) -> SconvMetadata:
     """Metadata of a ragged step of ``num_tokens`` flat token slots (the CUDA-graph capture size).
 
@@ -35,6 +37,8 @@ def build_sconv_metadata(
     block-table entry, or a column ``p // N`` past the table's width) gets slot ``-1``: the op computes its
     output but stores nothing, rather than writing another position's slot. The three tensors must share
     one device (``ValueError`` otherwise); everything stays on it and shapes depend only on ``num_tokens``.
+    ``token``: the step's :class:`~stepops.ops.step_metadata.TokenMetadata` when the caller has built them
+    from the same arguments (a model step builds them once).
     """
     check_same_device(
         "build_sconv_metadata", block_table=block_table, query_start_loc=query_start_loc, seq_lens=seq_lens
@@ -53,7 +57,10 @@ def build_sconv_metadata(
             f"build_sconv_metadata: block_table has {block_table.shape[0]} rows for {seq_lens.numel()} requests "
             "(seq_lens); it needs one row per request"
         )
-    token = build_token_metadata(query_start_loc, seq_lens, num_tokens, builder="build_sconv_metadata")
+    if token is None:
+        token = build_token_metadata(query_start_loc, seq_lens, num_tokens, builder="build_sconv_metadata")
+    else:
+        reuse_token_metadata("build_sconv_metadata", token, num_tokens)
     if block_table.shape[0] == 0:  # no request: every token is padding, and there is no row to gather
         return SconvMetadata(token.request, token.chunk_start, token.request.clone(), token.position)
     request = token.request.clamp(min=0).to(torch.int64)
