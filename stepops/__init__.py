@@ -15,6 +15,7 @@ from stepops.layouts import (
     smallest_block_size,
 )
 from stepops.specs import AttentionSpec, CircularBufferSpec, FullAttentionSpec, SlidingWindowSpec
+from stepops.ops.bounds import error_counter
 from stepops.ops.csa_ring_update import CSARingMetadata, build_csa_ring_metadata, csa_ring_update
 from stepops.ops.paged_kv_write import paged_kv_write
 from stepops.ops.sconv import SconvMetadata, build_sconv_metadata, sconv
@@ -44,6 +45,7 @@ __all__ = [
     "FullAttentionSpec",
     "SlidingWindowSpec",
     # ops
+    "error_counter",
     "CSARingMetadata",
     "build_csa_ring_metadata",
     "csa_ring_update",
