@@ -1,11 +1,21 @@
 """Load an Inkling text model from a directory written by transformers 5.23.0 (``save_pretrained``).
 
-The directory holds ``config.json`` (``model_type`` ``"inkling_text"``, an ``InklingForCausalLM``) and its
-weights as ``model.safetensors`` or shards listed in ``model.safetensors.index.json``. Only ``json`` and
-``safetensors`` are read: transformers is not imported. :data:`WEIGHT_NAMES` maps every transformers
-weight name to stepops' (``docs/models.md`` prints it); multi-token-prediction weights (``model.mtp.*``) are
-skipped with a warning, and anything else unknown, or a weight the model needs that is missing, or a shape
-that does not match, is a ``ValueError`` naming it.
+The directory holds ``config.json`` and its weights as ``model.safetensors`` or shards listed in
+``model.safetensors.index.json``. Two kinds load:
+
+- a text checkpoint (``model_type`` ``"inkling_text"``, an ``InklingForCausalLM``), weights under
+  transformers' module names (``model.layers.N.self_attn.q_proj.weight`` ...);
+- a multimodal checkpoint (``"inkling_mm_model"``, an ``InklingForConditionalGeneration``): the text
+  decoder is built from its ``text_config``. ``save_pretrained`` writes it in the original layout by default
+  (transformers reverses its conversion mapping: ``model.llm.layers.N.attn.wq_du.weight``, fused gate/up
+  ``w13`` weights with interleaved rows ...), or, with ``save_original_format=False``, under module names
+  (``model.language_model.layers.N.self_attn.q_proj.weight`` ...). Both are read.
+
+Only ``json`` and ``safetensors`` are read: transformers is not imported. :data:`WEIGHT_NAMES` and
+:data:`ORIGINAL_WEIGHT_NAMES` map every weight name to stepops' (``docs/models.md`` prints them). The
+vision tower, the audio tower and the multi-token-prediction layers are out of scope: their weights are
+skipped with one warning that counts them. Anything else unknown, a weight the model needs that is
+missing, or a shape that does not match, is a ``ValueError`` naming it.
 """
 
 from __future__ import annotations
@@ -63,23 +73,93 @@ _MODEL_NAMES = {
 WEIGHT_NAMES: dict[str, str] = {**_MODEL_NAMES, **{f"model.layers.N.{k}": f"layers.N.{v}" for k, v in _LAYER_NAMES.items()}}
 """Every transformers weight name (``N`` = layer index) -> the stepops parameter it loads into."""
 
-_IGNORED = re.compile(r"model\.mtp\.")  # multi-token-prediction layers: out of scope
+# The multimodal checkpoint's original layout (what save_pretrained writes by default): original name ->
+# transformers' text-model name; layer names after "model.llm.layers.N." -> after "model.layers.N.".
+_ORIGINAL_MODEL_NAMES = {
+    "model.llm.embed.weight": "model.embed_tokens.weight",
+    "model.llm.embed_norm.weight": "model.embed_tokens.embed_norm.weight",
+    "model.llm.norm.weight": "model.norm.weight",
+    "model.llm.unembed.weight": "lm_head.weight",
+}
+_ORIGINAL_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "mlp_norm.weight": "post_attention_layernorm.weight",
+    "attn.wq_du.weight": "self_attn.q_proj.weight",
+    "attn.wk_dv.weight": "self_attn.k_proj.weight",
+    "attn.wv_dv.weight": "self_attn.v_proj.weight",
+    "attn.wr_du.weight": "self_attn.r_proj.weight",
+    "attn.wo_ud.weight": "self_attn.o_proj.weight",
+    "attn.q_norm.weight": "self_attn.q_norm.weight",
+    "attn.k_norm.weight": "self_attn.k_norm.weight",
+    "attn.rel_logits_proj.proj": "self_attn.rel_logits_proj.proj",
+    "attn.k_sconv.weight": "self_attn.k_sconv.conv1d.weight",
+    "attn.v_sconv.weight": "self_attn.v_sconv.conv1d.weight",
+    "attn_sconv.weight": "attn_sconv.conv1d.weight",
+    "mlp_sconv.weight": "mlp_sconv.conv1d.weight",
+    "mlp.w2_md.weight": "mlp.down_proj.weight",
+    "mlp.global_scale": "mlp.global_scale",
+    "mlp.gate.weight": "mlp.gate.weight",
+    "mlp.gate.global_scale": "mlp.gate.global_scale",
+    "mlp.gate.bias": "mlp.gate.e_score_correction_bias",
+    "mlp.experts.w2_weight": "mlp.experts.down_proj",
+    "mlp.shared_experts.shared_w2_weight": "mlp.shared_experts.down_proj",
+}
+# Fused gate/up weights of the original layout: rows gate_0, up_0, gate_1, up_1, ... along ``dim``
+# (transformers' Interleave op). De-interleaved into gate rows then up rows, then split into the targets
+# (the routed experts keep them fused, as transformers' ``gate_up_proj`` does).
+_ORIGINAL_FUSED = {
+    "mlp.w13_dn.weight": (0, ("mlp.gate_proj.weight", "mlp.up_proj.weight")),
+    "mlp.experts.w13_weight": (1, ("mlp.experts.gate_up_proj",)),
+    "mlp.shared_experts.shared_w13_weight": (1, ("mlp.shared_experts.gate_proj", "mlp.shared_experts.up_proj")),
+}
+ORIGINAL_WEIGHT_NAMES: dict[str, tuple[str, ...]] = {
+    **{k: (v,) for k, v in _ORIGINAL_MODEL_NAMES.items()},
+    **{f"model.llm.layers.N.{k}": (f"model.layers.N.{v}",) for k, v in _ORIGINAL_LAYER_NAMES.items()},
+    **{
+        f"model.llm.layers.N.{k}": tuple(f"model.layers.N.{t}" for t in targets)
+        for k, (_, targets) in _ORIGINAL_FUSED.items()
+    },
+}
+"""A multimodal checkpoint's original weight name -> the transformers text-model name(s) it gives (then
+:data:`WEIGHT_NAMES`); a fused ``w13`` gives its gate and up halves."""
+
+# Parts of Inkling that stepops does not run (out of scope): (what, name prefixes in either layout).
+_OUT_OF_SCOPE = (
+    ("vision-tower", ("model.vision_tower.", "model.visual.")),
+    ("audio-tower", ("model.audio_tower.", "model.audio.")),
+    ("multi-token-prediction", ("model.mtp.",)),
+)
 _LAYER_KEY = re.compile(r"model\.layers\.(\d+)\.(.+)")
+_ORIGINAL_LAYER_KEY = re.compile(r"model\.llm\.layers\.(\d+)\.(.+)")
 _LAYER_TYPES = {"hybrid_sliding": SLIDING, "hybrid": GLOBAL}
 _CONV_WEIGHTS = ("conv_k", "conv_v", "conv_attn", "conv_mlp")
 
 
+def _text_config(hf: dict[str, Any]) -> dict[str, Any]:
+    """The text decoder's config dict: ``hf`` itself, or a multimodal config's ``text_config``."""
+    if hf.get("model_type") == "inkling_mm_model":
+        text = hf.get("text_config")
+        if not isinstance(text, dict):
+            raise ValueError("multimodal Inkling config (model_type 'inkling_mm_model') has no text_config")
+        if text.get("model_type") != "inkling_text":
+            raise ValueError(f"text_config: expected model_type 'inkling_text', got {text.get('model_type')!r}")
+        return text
+    if hf.get("model_type") != "inkling_text":
+        raise ValueError(
+            "expected an Inkling checkpoint (model_type 'inkling_text', InklingForCausalLM, or 'inkling_mm_model', "
+            f"InklingForConditionalGeneration), got model_type {hf.get('model_type')!r}"
+        )
+    return hf
+
+
 def config_from_transformers(hf: dict[str, Any], *, block_size: int = 16) -> InklingConfig:
-    """An :class:`InklingConfig` from a transformers ``InklingTextConfig`` ``config.json`` dict.
+    """An :class:`InklingConfig` from a transformers Inkling ``config.json`` dict (an ``InklingTextConfig``,
+    or an ``InklingConfig`` whose ``text_config`` is read; its vision and audio configs are out of scope).
 
     ``ValueError`` for another model type, an activation other than SiLU, or an unknown layer type.
     ``block_size`` is the attention KV cache's declared block size (not a transformers setting).
     """
-    if hf.get("model_type") != "inkling_text":
-        raise ValueError(
-            f"expected an Inkling text checkpoint (model_type 'inkling_text', InklingForCausalLM), got model_type "
-            f"{hf.get('model_type')!r}; multimodal (inkling_mm_model) checkpoints are not supported"
-        )
+    hf = _text_config(hf)
     if hf.get("hidden_act", "silu") != "silu":
         raise ValueError(f"hidden_act {hf['hidden_act']!r} is not supported (Inkling uses 'silu')")
     unknown = sorted(set(hf["layer_types"]) - set(_LAYER_TYPES))
@@ -132,6 +212,57 @@ def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
+def _deinterleave(key: str, tensor: torch.Tensor, dim: int) -> torch.Tensor:
+    """Rows ``g0, u0, g1, u1, ...`` along ``dim`` -> ``g0, g1, ..., u0, u1, ...`` (transformers' Interleave)."""
+    size = tensor.shape[dim]
+    if size % 2:
+        raise ValueError(f"{key}: fused gate/up dimension {dim} has odd size {size}")
+    return tensor.unflatten(dim, (size // 2, 2)).transpose(dim, dim + 1).flatten(dim, dim + 1)
+
+
+def _multimodal_text_names(key: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]] | None:
+    """A multimodal checkpoint's weight as transformers' text-model names (``None`` when not the text
+    decoder's): ``model.language_model.*`` loses ``language_model.``; the original layout is renamed and
+    its fused gate/up weights split."""
+    if key == "lm_head.weight":
+        return [(key, tensor)]
+    if key.startswith("model.language_model."):
+        return [("model." + key.removeprefix("model.language_model."), tensor)]
+    if key in _ORIGINAL_MODEL_NAMES:
+        return [(_ORIGINAL_MODEL_NAMES[key], tensor)]
+    match = _ORIGINAL_LAYER_KEY.fullmatch(key)
+    if match is None:
+        return None
+    prefix, name = f"model.layers.{match.group(1)}.", match.group(2)
+    if name in _ORIGINAL_LAYER_NAMES:
+        return [(prefix + _ORIGINAL_LAYER_NAMES[name], tensor)]
+    if name in _ORIGINAL_FUSED:
+        dim, targets = _ORIGINAL_FUSED[name]
+        parts = _deinterleave(key, tensor, dim).chunk(len(targets), dim)
+        return [(prefix + target, part) for target, part in zip(targets, parts)]
+    return None
+
+
+def _out_of_scope(key: str) -> tuple[str, str] | None:
+    """``(part, prefix)`` when ``key`` belongs to a part stepops does not run (vision, audio, MTP)."""
+    for part, prefixes in _OUT_OF_SCOPE:
+        for prefix in prefixes:
+            if key.startswith(prefix):
+                return part, prefix
+    return None
+
+
+def _ignored_note(ignored: dict[tuple[str, str], int]) -> str:
+    """``"3 vision-tower weights (model.visual.*), 1 multi-token-prediction weights (model.mtp.*)"``."""
+    groups = []
+    for part, prefixes in _OUT_OF_SCOPE:
+        seen = {prefix: n for (p, prefix), n in ignored.items() if p == part}
+        if seen:
+            names = ", ".join(f"{prefix}*" for prefix in prefixes if prefix in seen)
+            groups.append(f"{sum(seen.values())} {part} weights ({names})")
+    return ", ".join(groups)
+
+
 def _stepops_name(key: str) -> str | None:
     """The stepops name of a transformers weight name, ``None`` when unknown."""
     if key in _MODEL_NAMES:
@@ -159,26 +290,38 @@ def load_inkling(
     config_file = path / "config.json"
     if not config_file.exists():
         raise ValueError(f"{path}: no config.json (expected a directory written by save_pretrained)")
-    config = config_from_transformers(json.loads(config_file.read_text()), block_size=block_size)
+    hf = json.loads(config_file.read_text())
+    multimodal = hf.get("model_type") == "inkling_mm_model"
+    if multimodal and "InklingModel" in hf.get("architectures", ()):
+        raise ValueError(
+            f"{path}: an InklingModel checkpoint has no lm_head (no logits); save an InklingForConditionalGeneration"
+        )
+    config = config_from_transformers(hf, block_size=block_size)
     model = InklingModel(config, dtype=dtype)
     expected = model.state_dict()
     loaded: dict[str, torch.Tensor] = {}
-    unexpected, ignored = [], []
+    unexpected: list[str] = []
+    ignored: dict[tuple[str, str], int] = {}
     for key, tensor in _read_safetensors(path).items():
-        name = _stepops_name(key)
-        if name is None:
-            (ignored if _IGNORED.match(key) else unexpected).append(key)
+        part = _out_of_scope(key)
+        if part is not None:
+            ignored[part] = ignored.get(part, 0) + 1
             continue
-        if name.rsplit(".", 1)[-1] in _CONV_WEIGHTS:
-            tensor = tensor.squeeze(1)  # nn.Conv1d's depthwise [C, 1, W] -> [C, W]
-        if name not in expected:
-            unexpected.append(key)  # e.g. a dense-MLP weight in a sparse layer
+        text_weights = _multimodal_text_names(key, tensor) if multimodal else [(key, tensor)]
+        names = [(_stepops_name(text_key), text_tensor) for text_key, text_tensor in text_weights or ()]
+        # not the text decoder's, or e.g. a dense-MLP weight in a sparse layer
+        if not names or any(name not in expected for name, _ in names):
+            unexpected.append(key)
             continue
-        if tensor.shape != expected[name].shape:
-            raise ValueError(
-                f"{key}: shape {tuple(tensor.shape)} does not match the config's {tuple(expected[name].shape)} ({name})"
-            )
-        loaded[name] = tensor.to(expected[name].dtype)
+        for name, text_tensor in names:
+            if name.rsplit(".", 1)[-1] in _CONV_WEIGHTS:
+                text_tensor = text_tensor.squeeze(1)  # nn.Conv1d's depthwise [C, 1, W] -> [C, W]
+            if text_tensor.shape != expected[name].shape:
+                raise ValueError(
+                    f"{key}: shape {tuple(text_tensor.shape)} does not match the config's "
+                    f"{tuple(expected[name].shape)} ({name})"
+                )
+            loaded[name] = text_tensor.to(expected[name].dtype)
     if unexpected:
         raise ValueError(f"{path}: unexpected weights (not part of the Inkling text decoder): {sorted(unexpected)}")
     missing = sorted(set(expected) - set(loaded))
@@ -186,12 +329,11 @@ def load_inkling(
         raise ValueError(f"{path}: missing weights (stepops names): {missing}")
     if ignored:
         warnings.warn(
-            f"{path}: ignoring {len(ignored)} multi-token-prediction weights (model.mtp.*): stepops runs the text "
-            "decoder only",
+            f"{path}: ignoring {_ignored_note(ignored)}: out of scope, stepops runs the Inkling text decoder only",
             stacklevel=2,
         )
     model.load_state_dict(loaded)
     return model.to(device)
 
 
-__all__ = ["TRANSFORMERS_VERSION", "WEIGHT_NAMES", "config_from_transformers", "load_inkling"]
+__all__ = ["ORIGINAL_WEIGHT_NAMES", "TRANSFORMERS_VERSION", "WEIGHT_NAMES", "config_from_transformers", "load_inkling"]

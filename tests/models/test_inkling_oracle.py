@@ -177,9 +177,10 @@ def test_one_file_loads_like_the_shards(checkpoint, tmp_path):
     assert sharded.keys() == single.keys() and all(torch.equal(sharded[k], single[k]) for k in sharded)
 
 
-def test_multi_token_prediction_weights_are_ignored_with_a_warning(checkpoint, tmp_path):
-    path = _single_file_copy(checkpoint, tmp_path, lambda t: t.update({"model.mtp.0.proj.weight": torch.zeros(2, 2)}))
-    with pytest.warns(UserWarning, match=r"ignoring 1 multi-token-prediction weights \(model.mtp.\*\)"):
+def test_multi_token_prediction_and_tower_weights_are_ignored_with_a_warning(checkpoint, tmp_path):
+    extra = {"model.mtp.0.proj.weight": torch.zeros(2, 2), "model.vision_tower.patch.weight": torch.zeros(1)}
+    path = _single_file_copy(checkpoint, tmp_path, lambda t: t.update(extra))
+    with pytest.warns(UserWarning, match=r"ignoring 1 vision-tower weights \(model.vision_tower.\*\), 1 multi-token-prediction weights \(model.mtp.\*\): out of scope"):
         load_inkling(path)
 
 
@@ -187,11 +188,11 @@ def test_multi_token_prediction_weights_are_ignored_with_a_warning(checkpoint, t
     "edit, message",
     [
         (lambda t: t.pop("model.layers.1.mlp.experts.down_proj"), r"missing weights \(stepops names\): \['layers.1.mlp.experts_down'\]"),
-        (lambda t: t.update({"model.vision_tower.patch.weight": torch.zeros(1)}), r"unexpected weights .*'model.vision_tower.patch.weight'"),
+        (lambda t: t.update({"model.projector.weight": torch.zeros(1)}), r"unexpected weights .*'model.projector.weight'"),
         (lambda t: t.update({"model.layers.1.mlp.gate_proj.weight": torch.zeros(1)}), r"unexpected weights .*'model.layers.1.mlp.gate_proj.weight'"),
         (lambda t: t.update({"model.norm.weight": torch.zeros(3)}), r"model.norm.weight: shape \(3,\) does not match the config's \(64,\)"),
     ],
-    ids=["missing", "vision", "dense_weight_in_a_sparse_layer", "shape"],
+    ids=["missing", "unknown", "dense_weight_in_a_sparse_layer", "shape"],
 )
 def test_bad_weights_are_errors_that_name_them(checkpoint, tmp_path, edit, message):
     with pytest.raises(ValueError, match=message):
@@ -201,12 +202,12 @@ def test_bad_weights_are_errors_that_name_them(checkpoint, tmp_path, edit, messa
 @pytest.mark.parametrize(
     "config_edit, message",
     [
-        (lambda c: c.update(model_type="inkling_mm_model"), r"model_type 'inkling_text'.*got model_type 'inkling_mm_model'"),
+        (lambda c: c.update(model_type="llama"), r"model_type 'inkling_text'.*got model_type 'llama'"),
         (lambda c: c.update(hidden_act="gelu"), r"hidden_act 'gelu' is not supported"),
         (lambda c: c.update(layer_types=["hybrid", "linear", "hybrid"]), r"layer_types \['linear'\] are not supported"),
         (lambda c: c.update(swa_num_key_value_heads=3), r"sliding layers: query heads \(4\) must be a multiple of KV heads \(3\)"),
     ],
-    ids=["multimodal", "activation", "layer_type", "geometry"],
+    ids=["model_type", "activation", "layer_type", "geometry"],
 )
 def test_unsupported_configs_are_errors(checkpoint, tmp_path, config_edit, message):
     with pytest.raises(ValueError, match=message):
