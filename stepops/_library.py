@@ -109,10 +109,10 @@ class _NoDerivative(torch.autograd.Function):
     output carries a backward that raises, as ``custom_op`` does for an op without an autograd formula."""
 
     @staticmethod
-    def forward(ctx, op, keyset, *args):
+    def forward(ctx, op, keyset, kwargs, *args):
         ctx.op_name = op.name()
         with torch._C._AutoDispatchBelowAutograd():
-            return op.redispatch(keyset, *args)
+            return op.redispatch(keyset, *args, **kwargs)
 
     @staticmethod
     def backward(ctx, *grads):
@@ -132,14 +132,16 @@ def _autograd_kernel(op: torch._ops.OpOverload) -> Callable[..., Any]:
     below = torch._C._after_autograd_keyset
     increment_version = torch.autograd.graph.increment_version
 
-    def autograd_kernel(keyset, *args):
+    def autograd_kernel(keyset, *args, **kwargs):  # kwargs: keyword-only arguments (no op has any yet)
         # Custom_op's ADInplaceOrView kernel bumps these too: autograd then refuses a backward that would
         # read a tensor saved before the op overwrote it. (Optional arguments may be None.)
         increment_version([args[i] for i in mutated if i < len(args) and args[i] is not None])
-        if torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
-            return _NoDerivative.apply(op, keyset & below, *args)
+        if torch.is_grad_enabled() and any(
+            isinstance(a, torch.Tensor) and a.requires_grad for a in (*args, *kwargs.values())
+        ):
+            return _NoDerivative.apply(op, keyset & below, kwargs, *args)
         with torch._C._AutoDispatchBelowAutograd():
-            return op.redispatch(keyset & below, *args)
+            return op.redispatch(keyset & below, *args, **kwargs)
 
     return autograd_kernel
 
