@@ -11,8 +11,9 @@ import torch
 
 from stepops.allocator import KVCaches, allocate_kv_caches, unify_page_sizes
 from stepops.layouts import InklingStream
-from stepops.ops.csa_ring_update import csa_ring_update, csa_ring_update_triton
-from stepops.ops.sconv import sconv_triton
+from stepops.ops.csa_ring_update import csa_ring_update
+from stepops.ops.csa_ring_update.triton_kernel import csa_ring_update_triton
+from stepops.ops.sconv.triton_kernel import sconv_triton
 from stepops.owners import InklingConvState, PagedAttentionLayer, Step5CSATailRing
 from stepops.specs import CircularBufferSpec, FullAttentionSpec, SlidingWindowSpec
 from conftest import triton_device
