@@ -48,7 +48,7 @@ def _decode_step(context: int, device: torch.device):
 
 
 def _providers() -> dict[str, Callable[..., torch.Tensor]]:
-    from stepops.models.layers import gather_paged_keys, masked_attention
+    from stepops.testing.dense_attention import gather_paged_keys, masked_attention
     from stepops.models.paged_attention import paged_attention
 
     def dense(query, kv_cache, table, token):

@@ -10,8 +10,10 @@
 - :mod:`stepops.models.metadata`: the step's fixed-size buffers and the on-device metadata builders.
 - :mod:`stepops.models.runner`: :class:`StepRunner` (eager, compiled, CUDA graphs) and the scripted workload.
 - :mod:`stepops.models.step5_weights`: loading a Step5 checkpoint in StepFun's reference names (fp8 experts).
-- :mod:`stepops.models.reference`: Inkling's no-cache full recompute (Step5's, independent of its layers,
-  is :mod:`stepops.testing.step5_reference`).
+- :mod:`stepops.models.paged_attention`: attention over the paged KV cache (full, sliding window, CSA
+  regions) and the indexer's streaming top-k, with memory independent of the context length.
+
+The no-cache recomputes and the dense attention oracle are test support, in :mod:`stepops.testing`.
 """
 
 from stepops.models.inkling import InklingConfig, InklingDecoderLayer, InklingModel

@@ -8,7 +8,8 @@ its :class:`InklingStepMetadata`; each decoder layer maps ``[T, hidden]`` to ``[
     q, k = RMSNorm_q(q), RMSNorm_k(k) per head       (no rope: a relative position bias instead)
     bias[t, h, d] = r[t, h] . rel_proj[:, d] for backward distance 0 <= d < rel_extent, else 0
     global layers with log scaling: q, bias *= 1 + alpha log(max((pos + 1) / n_floor, 1))
-    paged_kv_write(k, v);  softmax(q k / head_dim + bias) v over the causal (sliding-window) keys
+    paged_kv_write(k, v);  softmax(q k / head_dim + bias) v over the causal (sliding-window) keys,
+                           read from the paged cache in chunks (stepops.models.paged_attention)
     x = x + sconv_ATTN(o_proj(attn))
     x = x + sconv_MLP(MLP(RMSNorm(x)))               (dense SwiGLU, or sigmoid-routed experts + shared)
 
@@ -44,8 +45,8 @@ from torch import nn
 
 from stepops.allocator import KVCaches, allocate_kv_caches
 from stepops.layouts import InklingConvStateLayout, InklingStream
-from stepops.models.layers import gather_paged_keys, masked_attention
 from stepops.models.metadata import InklingStepMetadata, StepBuffers, bound_size, build_inkling_metadata
+from stepops.models.paged_attention import paged_attention
 from stepops.models.tensor_parallel import (
     ShardRule,
     TensorParallel,
@@ -69,7 +70,8 @@ class InklingConfig:
     Global layers have ``num_heads`` / ``num_kv_heads`` / ``head_dim`` and ``rel_extent``; sliding-window
     layers ``swa_num_heads`` / ``swa_num_kv_heads`` / ``swa_head_dim`` and ``rel_extent = sliding_window``.
     ``mlp_layer_types`` ``None`` makes every layer sparse (transformers' default). ``block_size`` is the
-    attention KV cache's declared block size (the allocator may enlarge it).
+    attention KV cache's declared block size (the allocator may enlarge it). ``num_speculative_tokens`` (k,
+    not a transformers setting): a verify step's k + 1 tokens of a request share one read of each KV page.
     """
 
     vocab_size: int = 128
@@ -96,6 +98,7 @@ class InklingConfig:
     logits_mup_width_multiplier: float = 2.0
     rms_norm_eps: float = 1e-6
     block_size: int = 16
+    num_speculative_tokens: int = 3
     layer_types: tuple[str, ...] = (SLIDING, GLOBAL)
     mlp_layer_types: tuple[str, ...] | None = None
 
@@ -382,19 +385,15 @@ class InklingDecoderLayer(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, head_dim)
         kv_cache = self.attn.kv_cache
         paged_kv_write(k, v, kv_cache[..., :head_dim], kv_cache[..., head_dim:], metadata.attn_slot_mapping)
-        keys = gather_paged_keys(kv_cache, head_dim, metadata.attn_block_table, metadata.token)
-        allowed = keys.causal
-        if self.sliding_window is not None:
-            key_position = torch.arange(allowed.shape[1], device=hidden.device)
-            allowed = allowed & (key_position[None, :] > position.long()[:, None] - self.sliding_window)
-        attn = masked_attention(
+        attn = paged_attention(
             q,
-            keys.key,
-            keys.value,
-            allowed,
-            1.0 / head_dim,  # q and k are RMS-normed per head: 1/d, not 1/sqrt(d)
-            rel_bias=self.relative_bias_table(h, position),
-            position=position,
+            kv_cache,
+            metadata.attn_block_table,
+            metadata.token,
+            scale=1.0 / head_dim,  # q and k are RMS-normed per head: 1/d, not 1/sqrt(d)
+            sliding_window=self.sliding_window,
+            distance_bias=self.relative_bias_table(h, position),
+            query_tile=self.config.num_speculative_tokens + 1,
         )
         attn_out = self.o_proj(attn.flatten(1))
         hidden = hidden + self._output_conv(InklingStream.ATTN_OUT, attn_out, self.conv_attn, metadata)

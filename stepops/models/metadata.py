@@ -13,7 +13,6 @@ from typing import NamedTuple
 
 import torch
 
-from stepops._meta.csa_ring_update import REGION_SIZE
 from stepops.ops.csa_ring_update import CSARingMetadata, build_csa_ring_metadata
 from stepops.ops.sconv import SconvMetadata, build_sconv_metadata
 from stepops.ops.step_metadata import TokenMetadata, build_token_metadata
@@ -86,19 +85,20 @@ def common_attn_block_size(layers) -> int:
     )
 
 class Step5StepMetadata(NamedTuple):
-    """Everything a Step5 decoder layer reads per step; every tensor's first dim is ``T``.
+    """Everything a Step5 decoder layer reads per step; every tensor's first dim is ``T`` or ``R``.
 
     ``attn_slot_mapping [T]`` and ``attn_block_table [R, max_blocks]`` address the paged KV caches;
-    ``ring`` is the CSA tail ring's :class:`CSARingMetadata`; ``summary_slots [T, num_regions]`` int64 is
-    the summary-cache row of each region ``0..num_regions-1`` of the token's request (``num_regions =
-    max_blocks * N / 8``; a region not yet summarised points at a stale row that the layer masks out).
+    ``ring`` is the CSA tail ring's :class:`CSARingMetadata`; ``summary_block_table [R, max_summary_blocks]``
+    with ``summary_block_size`` regions per block addresses the e4m3 summary caches (the CSA indexer reads
+    them a chunk of regions at a time, never as ``[T, num_regions]``).
     """
 
     token: TokenMetadata
     attn_slot_mapping: torch.Tensor
     attn_block_table: torch.Tensor
     ring: CSARingMetadata
-    summary_slots: torch.Tensor
+    summary_block_table: torch.Tensor
+    summary_block_size: int
 
 
 def build_step5_metadata(
@@ -121,20 +121,13 @@ def build_step5_metadata(
         num_tokens,
         token=token,
     )
-    num_regions = buffers.attn_block_table.shape[1] * attn_block_size // REGION_SIZE
-    region = torch.arange(num_regions, device=buffers.query_start_loc.device)
-    column = (region // summary_block_size).clamp(max=buffers.summary_block_table.shape[1] - 1)
-    table = buffers.summary_block_table.long().clamp(min=0)
-    request_slots = table[:, column] * summary_block_size + region % summary_block_size  # [R, num_regions]
-    if request_slots.shape[0] == 0:  # R = 0: every token is padding; one dummy row keeps the gather in range
-        request_slots = request_slots.new_zeros(1, num_regions)
-    summary_slots = request_slots[token.request.long().clamp(min=0)]
     return Step5StepMetadata(
         token=token,
         attn_slot_mapping=paged_slot_mapping(token, buffers.attn_block_table, attn_block_size),
         attn_block_table=buffers.attn_block_table,
         ring=ring,
-        summary_slots=summary_slots,
+        summary_block_table=buffers.summary_block_table,
+        summary_block_size=summary_block_size,
     )
 
 

@@ -15,8 +15,10 @@ block-table widths and Python ints, never on the data; no ``.item()``), so a ste
 - :func:`streaming_topk` (+ :func:`csa_region_scorer`): the indexer's top-k over regions, chunk by chunk,
   with exactly the result of a full stable descending sort (ties to the lower id), from any chunk scorer.
 
-The dense :func:`stepops.models.layers.masked_attention` over :func:`~stepops.models.layers.gather_paged_keys`
-stays as the test oracle. FlexAttention was evaluated first and not used; see docs/models.md.
+Both decoder families' layers attend through these. The dense
+:func:`stepops.testing.dense_attention.masked_attention` over
+:func:`~stepops.testing.dense_attention.gather_paged_keys` is the test oracle. FlexAttention was
+evaluated first and not used; see docs/models.md.
 """
 
 from __future__ import annotations
@@ -54,8 +56,12 @@ def _query_tiles(token: TokenMetadata, num_requests: int, query_tile: int) -> _Q
     ``chunk_start`` (:func:`~stepops.ops.step_metadata.build_token_metadata`).
     """
     num_tokens = token.position.shape[0]
-    busy = min(num_requests, num_tokens)
-    num_tiles = busy + (num_tokens - busy) // query_tile
+    # n + (T - n) // Qt with n = min(R, T) = R - max(R - T, 0), written for the symbolic T of a compiled
+    # step: no guard on T vs R (one graph for every T), and a max with 1 (a no-op for T >= 1) is one sympy
+    # atom known to be positive, so views over the tile dim need no guard (2 * tiles is not expanded into a
+    # sum whose divisibility, or a floor division whose nonzero-ness, sympy cannot prove; a dynamic T fails).
+    busy = num_requests - torch.sym_max(num_requests - num_tokens, 0)
+    num_tiles = torch.sym_max(1, (num_tokens + (query_tile - 1) * busy) // query_tile)
     device = token.position.device
     real = token.position >= 0
     request = token.request.long().clamp(min=0)
@@ -223,11 +229,16 @@ def paged_attention(
         # K @ q^T, then the small product transposed: torch 2.11's Inductor CPU code failed to compile the
         # transposed bf16 gather that q @ K^T asks for (an undeclared temporary in transpose_mxn).
         scores = (key.float().transpose(1, 2) @ q.transpose(-1, -2)).transpose(-1, -2) * scale
-        scores = scores.view(num_tiles, num_kv_heads, group, query_tile, -1)  # [tiles, Hkv, G, Qt, C * N]
+        # Explicit sizes, no -1: inferring one makes T-dependent divisibility guards that sympy cannot prove
+        # for the symbolic tile count, and a compiled step with a dynamic T fails its constraint.
+        keys = width * block_size
+        scores = scores.view(num_tiles, num_kv_heads, group, query_tile, keys)  # [tiles, Hkv, G, Qt, C * N]
         if distance_bias is not None:
             bias = _distance_bias(distance_bias, tiles.token.clamp(min=0), distance)  # [tiles, Qt, Hq, C * N]
-            scores = scores + bias.view(num_tiles, query_tile, num_kv_heads, group, -1).permute(0, 2, 3, 1, 4)
-        scores = scores.masked_fill(~allowed[:, None, None], float("-inf")).flatten(2, 3)
+            scores = scores + bias.view(num_tiles, query_tile, num_kv_heads, group, keys).permute(0, 2, 3, 1, 4)
+        # logical_not, not ~: Python's ~ on a CUDA tensor needs a CUDA build even under fake tensors, and
+        # tests/models/test_compile.py traces the CUDA path on a CPU-only wheel.
+        scores = scores.masked_fill(allowed[:, None, None].logical_not(), float("-inf")).flatten(2, 3)
         value = kv_cache[..., head_size:][block].flatten(1, 2)  # [tiles, C * N, Hkv, Dv]
         state = _softmax_fold(state, scores, value.float().transpose(1, 2))
     out = _softmax_finish(state).view(num_tiles, num_kv_heads, group, query_tile, value_size)
@@ -289,7 +300,7 @@ def sparse_region_attention(
     rows = rows.flatten(2, 3).permute(0, 1, 3, 2, 4)  # [T, G, Hkv/G, S, D + Dv]
     q = query.float().view(num_tokens, num_groups, heads_per_group, num_heads // num_kv_heads, head_size)
     scores = (q @ rows[..., :head_size].float().transpose(-1, -2)) * scale  # [T, G, Hkv/G, Hq/Hkv, S]
-    scores = scores.masked_fill(~allowed.flatten(2)[:, :, None, None, :], float("-inf"))
+    scores = scores.masked_fill(allowed.flatten(2)[:, :, None, None, :].logical_not(), float("-inf"))
     state = _softmax_start(scores.shape[:-1], value_size, device)
     out = _softmax_finish(_softmax_fold(state, scores, rows[..., head_size:].float()))
     return out.reshape(num_tokens, num_heads, value_size).to(query.dtype)
@@ -332,8 +343,7 @@ def region_summary_slots(
 ) -> torch.Tensor:
     """``[T, size]`` int64: the summary-cache row of regions ``start .. start + size - 1`` of each token's
     request (``request [T]``, -1 = padding, read as request 0); ``summary_block_table [R, max_summary_blocks]``.
-    The chunk of :class:`~stepops.models.metadata.Step5StepMetadata`'s ``summary_slots``, without its
-    ``[T, num_regions]`` whole."""
+    A chunk of regions at a time, so no ``[T, num_regions]`` table exists."""
     region = torch.arange(start, start + size, device=summary_block_table.device)
     column = (region // summary_block_size).clamp(max=summary_block_table.shape[1] - 1)
     table = summary_block_table.long().clamp(min=0)[request.long().clamp(min=0)]  # [T, max_summary_blocks]

@@ -37,7 +37,6 @@ from torch import nn
 from stepops._meta.csa_ring_update import REGION_SIZE
 from stepops.allocator import KVCaches, allocate_kv_caches
 from stepops.layouts import smallest_block_size
-from stepops.models.layers import gather_paged_keys, masked_attention
 from stepops.models.metadata import (
     StepBuffers,
     Step5StepMetadata,
@@ -45,6 +44,7 @@ from stepops.models.metadata import (
     common_attn_block_size,
     common_size,
 )
+from stepops.models.paged_attention import csa_region_scorer, paged_attention, sparse_region_attention, streaming_topk
 from stepops.ops.paged_kv_write import paged_kv_write
 from stepops.owners import PagedAttentionLayer, Step5CSATailRing
 
@@ -52,6 +52,9 @@ SLIDING = "sliding"
 CSA = "csa"
 # The deployed router kernel's guard on the renormalising sum (model.py ROUTER_RENORM_EPS).
 ROUTER_RENORM_EPS = 1e-20
+# Regions the CSA indexer scores at a time: its transient memory is [T, chunk, 256] summaries, whatever the
+# context (a 16k-token context is 2048 regions: 16 chunks unrolled into the step's graph).
+INDEXER_REGIONS_PER_CHUNK = 128
 
 
 @dataclass(frozen=True)
@@ -464,20 +467,20 @@ class Step5DecoderLayer(nn.Module):
         v = attn.v_proj(h).view(num_tokens, c.num_kv_heads, c.head_dim)
         kv_cache = self.attn.kv_cache
         paged_kv_write(k, v, kv_cache[..., : c.head_dim], kv_cache[..., c.head_dim :], metadata.attn_slot_mapping)
-        keys = gather_paged_keys(kv_cache, c.head_dim, metadata.attn_block_table, metadata.token)
-        key_position = torch.arange(keys.causal.shape[1], device=h.device)
+        table, scale = metadata.attn_block_table, c.head_dim**-0.5
         if self.kind == SLIDING:
-            allowed = keys.causal & (key_position[None, :] > position.long()[:, None] - c.sliding_window)
+            out = paged_attention(q, kv_cache, table, metadata.token, scale=scale, sliding_window=c.sliding_window,
+                                  query_tile=c.num_speculative_tokens + 1)
         else:
-            selected_regions = self._select_regions(h, metadata)  # [T, G, num_regions]
-            allowed = keys.causal[:, None, :] & selected_regions[:, :, key_position // REGION_SIZE]
-        out = masked_attention(q, keys.key, keys.value, allowed, c.head_dim**-0.5)
+            regions = self._select_regions(h, metadata)  # [T, G, index_top_k]
+            out = sparse_region_attention(q, kv_cache, table, metadata.token, regions, scale=scale)
         gate = torch.sigmoid(attn.g_proj(h))[:, :, None]
         return attn.o_proj((out * gate).flatten(1))
 
     def _select_regions(self, h: torch.Tensor, metadata: Step5StepMetadata) -> torch.Tensor:
-        """Run the CSA indexer; return ``[T, G, num_regions]`` bool: the regions KV group ``g`` of each token
-        attends to (its top-k earlier complete regions by group ``g``'s score, and its own)."""
+        """Run the CSA indexer; return ``[T, G, index_top_k]`` int64: the regions KV group ``g`` of each token
+        attends to besides its own (its top-k earlier complete regions by group ``g``'s score, ties to the
+        lower id; ``-1`` where fewer exist). Scored a chunk of regions at a time (:func:`streaming_topk`)."""
         c, attn = self.config, self.self_attn
         num_tokens, groups, per_group = h.shape[0], c.num_kv_heads, c.index_heads_per_group
         position = metadata.token.position
@@ -489,19 +492,18 @@ class Step5DecoderLayer(nn.Module):
         # Ring rows and the e4m3 summaries of every region a token of this step closes; later tokens of the
         # step read those summaries below (the op runs first in program order).
         self.csa_ring.update(ik, iz, self.summary_cache, metadata.ring)
-        summaries = self.summary_cache[metadata.summary_slots].view(torch.float8_e4m3fn).float()  # [T, R, 256]
         iq8 = round_to_e4m3(iq).view(num_tokens, groups, per_group, c.index_proxy_dim)
-        per_head = torch.einsum("tghp,trp->tghr", iq8, summaries)
-        scores = (F.relu(per_head) * weights.view(num_tokens, groups, per_group, 1)).sum(2)  # [T, G, R]
-        region = torch.arange(scores.shape[-1], device=h.device)
-        own = (position.long() // REGION_SIZE)[:, None, None]
-        scores = scores.masked_fill(region >= own, float("-inf"))  # only complete earlier regions compete
-        # Stable descending sort: equal scores keep ascending region order, so ties go to the lower id.
-        ranked = torch.sort(scores, dim=-1, descending=True, stable=True)
-        top = ranked.indices[..., : c.index_top_k]
-        top_valid = ranked.values[..., : c.index_top_k] > float("-inf")
-        selected = torch.zeros_like(scores, dtype=torch.bool).scatter(-1, top, top_valid)
-        return selected | (region == own)
+        scorer = csa_region_scorer(
+            iq8,
+            weights.view(num_tokens, groups, per_group),
+            self.summary_cache,
+            metadata.summary_block_table,
+            metadata.summary_block_size,
+            metadata.token,
+        )
+        num_regions = metadata.attn_block_table.shape[1] * self.attn.kv_cache.shape[1] // REGION_SIZE
+        values, ids = streaming_topk(scorer, num_regions, c.index_top_k, INDEXER_REGIONS_PER_CHUNK)
+        return torch.where(values > float("-inf"), ids, -1)
 
 
 class Step5Model(nn.Module):

@@ -2,7 +2,7 @@
 
 Step5 is recomputed by :func:`stepops.testing.step5_reference.step5_recompute` from a checkpoint in the
 reference's names (by default the model's own ``state_dict()``); Inkling by
-:func:`stepops.models.reference.inkling_layer_reference`.
+:func:`stepops.testing.inkling_reference.inkling_layer_reference`.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from stepops.models.inkling import InklingModel
-from stepops.models.reference import inkling_layer_reference
+from stepops.testing.inkling_reference import inkling_layer_reference
 from stepops.models.step5 import Step5Model
 from stepops.testing.step5_reference import step5_recompute
 from stepops.testing.tolerances import Tolerance

@@ -4,9 +4,9 @@ The scripted workload mixes prefill chunks, plain decode and verify steps with r
 garbage inputs the next step overwrites) over several requests in random block tables, for several model
 seeds. Step5 models load a random checkpoint in StepFun's reference names (fp8 experts included) and are
 checked against :mod:`stepops.testing.step5_reference`, an independent recompute from the reference's
-formulas that reads the same checkpoint; Inkling against :mod:`stepops.models.reference`.
+formulas that reads the same checkpoint; Inkling against :mod:`stepops.testing.inkling_reference`.
 
-The two paths sum in other orders (einsum over gathered keys vs SDPA, a per-expert loop vs all experts),
+The two paths sum in other orders (an online softmax over paged key chunks vs SDPA, a per-expert loop vs all experts),
 so they are not bitwise even on CPU: there each output is within one bf16 ulp of its token's largest value
 per layer and at most 1/8 of the elements differ (``model_vs_recompute_cpu``); on a GPU the kernels differ
 more and the comparison uses ``model_vs_recompute``. Tokens whose region choice in the recompute is a near

@@ -24,7 +24,7 @@ from test_inkling_oracle import FP32_LAYER, HF_CONFIG, VOCAB
 from transformers import InklingConfig, InklingForConditionalGeneration  # the test extra pins 5.23.0
 
 from stepops.models.inkling_checkpoint import ORIGINAL_WEIGHT_NAMES, WEIGHT_NAMES, load_inkling
-from stepops.models.reference import inkling_layer_reference
+from stepops.testing.inkling_reference import inkling_layer_reference
 
 # The smallest towers transformers builds (4x4 patches, 2 frames, 4 encoder layers; 4 mel bins of 8).
 VISION_CONFIG = dict(patch_size=4, temporal_patch_size=2, num_hidden_layers=4, num_channels=1)

@@ -32,8 +32,8 @@ from transformers import InklingForCausalLM, InklingTextConfig  # the test extra
 
 from stepops.models.inkling import InklingConfig, InklingRMSNorm
 from stepops.models.inkling_checkpoint import load_inkling
-from stepops.models.layers import masked_attention
-from stepops.models.reference import inkling_layer_reference
+from stepops.testing.dense_attention import masked_attention
+from stepops.testing.inkling_reference import inkling_layer_reference
 from stepops.models.runner import COMPILED, EAGER, TOKENS, ScheduledRequest, StepRunner
 
 VOCAB = 128

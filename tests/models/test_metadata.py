@@ -78,5 +78,5 @@ def test_model_metadata_of_a_step_without_requests(num_tokens):
     inkling = build_inkling_metadata(buffers, num_tokens, attn_block_size=16, conv_block_size=4)
     pad = [-1] * num_tokens
     assert step5.attn_slot_mapping.tolist() == pad and step5.ring.summary_slot.tolist() == pad
-    assert step5.summary_slots.shape[0] == num_tokens
+    assert step5.summary_block_table is buffers.summary_block_table and step5.summary_block_size == 4
     assert inkling.attn_slot_mapping.tolist() == pad and inkling.sconv.slot_mapping.tolist() == pad

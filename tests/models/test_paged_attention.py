@@ -1,7 +1,7 @@
-"""stepops.models.paged_attention against two oracles: the layers' dense path (``gather_paged_keys`` +
-``masked_attention``) and an independent fp64 per-request recompute, on random paged caches with ragged
-requests, prefill chunks, decode, verify, padding, sliding windows, bias tables, GQA and unallocated
-(-1) block-table entries; eager and compiled (``fullgraph=True``); fp32 and bf16.
+"""stepops.models.paged_attention against two oracles: the dense path (stepops.testing.dense_attention's
+``gather_paged_keys`` + ``masked_attention``) and an independent fp64 per-request recompute, on random paged
+caches with ragged requests, prefill chunks, decode, verify, padding, sliding windows, bias tables, GQA and
+unallocated (-1) block-table entries; eager and compiled (``fullgraph=True``); fp32 and bf16.
 
 Tolerances (measured on these scenarios over seeds 0-19 and both windows; the softmax's
 summation order is the only difference):
@@ -22,7 +22,7 @@ import torch
 from torch._dynamo.backends.common import aot_autograd
 from torch._dynamo.utils import counters
 
-from stepops.models.layers import gather_paged_keys, masked_attention
+from stepops.testing.dense_attention import gather_paged_keys, masked_attention
 from stepops.models.paged_attention import (
     csa_region_scorer,
     paged_attention,
@@ -87,7 +87,7 @@ SCENARIOS = {
 
 
 def dense_oracle(step: Step, scale: float, window: int | None) -> torch.Tensor:
-    """The layers' dense path: every token gathers its request's whole table."""
+    """The dense path: every token gathers its request's whole table."""
     keys = gather_paged_keys(step.kv_cache, D, step.block_table, step.token)
     allowed = keys.causal
     if window is not None:
@@ -248,9 +248,9 @@ def test_streaming_topk_equals_stable_sort(num_items, k, chunk):
 
 
 def test_csa_region_scorer_selects_as_the_dense_indexer():
-    """The Step5 layer's dense per-KV-group selection ([T, G, num_regions] scores over the e4m3 summaries at
-    summary_slots) and the streaming one select the same regions, ties included (a zeroed query ties every
-    region at exactly 0). Scores match to an fp32 ulp, not bitwise: a chunk's einsum is a smaller BLAS call."""
+    """The dense per-KV-group selection (the Step5 layer's before it streamed: [T, G, num_regions] scores over
+    the e4m3 summaries of every region) and the streaming one select the same regions, ties included (a
+    zeroed query ties every region at exactly 0). Scores match to an fp32 ulp, not bitwise: a chunk's einsum is a smaller BLAS call."""
     gen = torch.Generator().manual_seed(3)
     step = make_step([70, 9, 33], [1, 4, 2], 8, block_size=8, max_blocks=12)
     groups, heads, proxy, summary_block_size, num_regions = 2, 3, 32, 4, 12
@@ -348,3 +348,17 @@ def test_bad_inputs_are_value_errors(call, match):
     step = make_step(*SCENARIOS["decode"], block_size=8, max_blocks=7)
     with pytest.raises(ValueError, match=match):
         call(step)
+
+
+def test_no_model_module_imports_test_support():
+    """The dense oracle and the recomputes live in stepops.testing; no model path may reach them."""
+    import ast
+    from pathlib import Path
+
+    import stepops.models
+
+    for path in Path(stepops.models.__file__).parent.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            names += [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            assert not any(n.startswith("stepops.testing") for n in names), f"{path.name} imports {names}"

@@ -1,8 +1,9 @@
-"""Pieces both decoder families share: RMSNorm, NEOX rope, the SwiGLU MLP and paged attention.
+"""Dense attention over the paged KV cache: the test oracle of :mod:`stepops.models.paged_attention`.
 
-Every function has static shapes: sizes depend on the step's padded token count ``T`` and on the fixed
-block-table widths, never on the data, so a step compiles to one graph and captures into a CUDA graph.
-Arithmetic is fp32 inside (norms, rope, softmax) and rounds once to the activation dtype (bf16).
+Every token gathers its request's whole block table (``[T, max_blocks * N, H, D + Dv]``) and attends over
+it with a dense mask: memory grows with tokens x context, so no model path uses it. It is the formulation
+the layers used before :mod:`stepops.models.paged_attention`, kept to compare against (tests, benchmarks).
+Softmax in fp32, output rounded once to the query's dtype.
 """
 
 from __future__ import annotations
@@ -10,61 +11,8 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
-from torch import nn
 
 from stepops.ops.step_metadata import TokenMetadata
-
-
-class RMSNorm(nn.Module):
-    """``y = x / sqrt(mean(x^2) + eps) * scale`` over the last dim, in fp32, rounded once to ``x.dtype``.
-
-    ``zero_centred=True`` stores ``w`` initialised at 0 and uses ``scale = 1 + w`` (the CSA indexer's query
-    norm); otherwise ``scale = w`` initialised at 1.
-    """
-
-    def __init__(self, dim: int, eps: float = 1e-6, *, zero_centred: bool = False) -> None:
-        super().__init__()
-        self.eps = eps
-        self.zero_centred = zero_centred
-        self.weight = nn.Parameter(torch.zeros(dim) if zero_centred else torch.ones(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        scale = self.weight.float() + 1.0 if self.zero_centred else self.weight.float()
-        return (y * scale).to(x.dtype)
-
-
-def rope_neox(x: torch.Tensor, position: torch.Tensor, rotary_dim: int, theta: float) -> torch.Tensor:
-    """NEOX-style rotary embedding on the first ``rotary_dim`` dims of ``x [T, ..., D]`` at ``position [T]``.
-
-    The rotated dims are split in halves ``(a, b)`` and become ``(a cos - b sin, b cos + a sin)`` with angle
-    ``position * theta^(-2i / rotary_dim)``, in fp32, rounded once. Padding positions (``-1``) rotate by a
-    harmless angle; their rows are never committed.
-    """
-    half = rotary_dim // 2
-    inv_freq = theta ** (-torch.arange(half, device=x.device, dtype=torch.float32) * 2.0 / rotary_dim)
-    angle = position.float()[:, None] * inv_freq  # [T, half]
-    shape = (angle.shape[0],) + (1,) * (x.dim() - 2) + (half,)
-    cos, sin = angle.cos().view(shape), angle.sin().view(shape)
-    x32 = x.float()
-    a, b = x32[..., :half], x32[..., half:rotary_dim]
-    rotated = torch.cat([a * cos - b * sin, b * cos + a * sin, x32[..., rotary_dim:]], dim=-1)
-    return rotated.to(x.dtype)
-
-
-class SwiGLU(nn.Module):
-    """``down(silu(gate(x)) * up(x))``; ``gate`` and ``up`` are one fused projection."""
-
-    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
-        super().__init__()
-        self.gate_up = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
-        self.down = nn.Linear(intermediate_size, hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up(x).chunk(2, dim=-1)
-        return self.down(F.silu(gate) * up)
 
 
 class PagedKeys(NamedTuple):
