@@ -98,7 +98,8 @@ def _softmax_start(rows_shape: tuple[int, ...], value_dim: int, device: torch.de
 
 
 def _softmax_fold(state: _SoftmaxState, scores: torch.Tensor, value: torch.Tensor) -> _SoftmaxState:
-    """Fold one chunk: ``scores [..., Q, S]`` fp32 (``-inf`` = masked), ``value [..., S, Dv]`` fp32."""
+    """Fold one chunk: ``scores [..., Q, S]`` fp32 (``-inf`` = masked), ``value [..., S, Dv]`` fp32 and
+    finite (a masked key's weight is 0, and ``0 * NaN`` would still poison the sum)."""
     new_max = torch.maximum(state.max, scores.amax(-1, keepdim=True))
     weights = torch.exp(scores - new_max)  # masked keys: exp(-inf) = 0
     rescale = torch.exp(state.max - new_max)
@@ -240,6 +241,9 @@ def paged_attention(
         # tests/models/test_compile.py traces the CUDA path on a CPU-only wheel.
         scores = scores.masked_fill(allowed[:, None, None].logical_not(), float("-inf")).flatten(2, 3)
         value = kv_cache[..., head_size:][block].flatten(1, 2)  # [tiles, C * N, Hkv, Dv]
+        # A key no query of the tile may read can be a row never written (NaN, Inf): its weight is an exact
+        # 0, but 0 * NaN is NaN, so its value is replaced, not multiplied away (its score is masked_fill'ed).
+        value = torch.where(allowed.any(1)[:, :, None, None], value, 0.0)
         state = _softmax_fold(state, scores, value.float().transpose(1, 2))
     out = _softmax_finish(state).view(num_tiles, num_kv_heads, group, query_tile, value_size)
     out = out.permute(0, 3, 1, 2, 4).reshape(num_tiles * query_tile, num_heads, value_size)
@@ -302,7 +306,9 @@ def sparse_region_attention(
     scores = (q @ rows[..., :head_size].float().transpose(-1, -2)) * scale  # [T, G, Hkv/G, Hq/Hkv, S]
     scores = scores.masked_fill(allowed.flatten(2)[:, :, None, None, :].logical_not(), float("-inf"))
     state = _softmax_start(scores.shape[:-1], value_size, device)
-    out = _softmax_finish(_softmax_fold(state, scores, rows[..., head_size:].float()))
+    # Masked rows may never have been written (NaN, Inf): replaced, since a 0 weight times NaN is NaN.
+    value = torch.where(allowed.flatten(2)[:, :, None, :, None], rows[..., head_size:], 0.0)
+    out = _softmax_finish(_softmax_fold(state, scores, value.float()))
     return out.reshape(num_tokens, num_heads, value_size).to(query.dtype)
 
 

@@ -126,6 +126,34 @@ def test_inkling_matches_full_recompute(config, seed):
     _compare(model, _run(model, _WORKLOAD, seed))
 
 
+def _run_poisoned(model, poison: bool):
+    """The workload; with ``poison`` every attention KV cache holds NaN before the first step and every
+    Step5 summary cache e4m3's NaN code (0x7F), so only rows the steps write are ever real."""
+    runner = StepRunner(model, max_requests=4, max_model_len=_WORKLOAD.max_len, max_tokens=16, device=_device())
+    for layer in model.layers:
+        layer.attn.kv_cache.fill_(float("nan") if poison else 0.0)
+        if getattr(layer, "kind", None) == step5.CSA:
+            layer.summary_cache.fill_(0x7F if poison else 0)
+    return run_workload(runner, _WORKLOAD, model.config.hidden_size).outputs
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        pytest.param(lambda: _step5(Step5Config(), 0)[0], id="step5"),
+        pytest.param(lambda: (torch.manual_seed(0), InklingModel(InklingConfig()))[1], id="inkling"),
+    ],
+)
+def test_unwritten_cache_rows_holding_nan_change_no_output(make):
+    """Cache rows no step has written (past a request's length, other requests' blocks, a freed block's
+    stale data) are masked: a NaN there changes no output bit, in sliding, global and CSA layers."""
+    with torch.device(_device()):
+        clean, poisoned = _run_poisoned(make(), poison=False), _run_poisoned(make(), poison=True)
+    for got, want in zip(poisoned, clean):
+        assert got.isfinite().all()
+        assert torch.equal(got, want)
+
+
 def _pooled_selection(select):
     """Group 0's selection for every KV group (one pooled choice per token, the pre-fix behaviour)."""
 

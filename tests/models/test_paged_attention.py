@@ -197,6 +197,40 @@ def test_unallocated_block_inside_the_context_is_masked():
     torch.testing.assert_close(got, want, **TOL[torch.float32])
 
 
+def poison_unused_rows(step: Step, fill: float) -> torch.Tensor:
+    """The cache with every row that holds no committed position of a request (past a request's length, in
+    spare blocks, and block 0, which -1 table entries are clamped to when not a request's) set to ``fill``."""
+    block_size = step.kv_cache.shape[1]
+    used = torch.zeros(step.kv_cache.shape[:2], dtype=torch.bool)
+    for r, length in enumerate(step.seq_lens):
+        position = torch.arange(length)
+        used[step.block_table[r, position // block_size].long(), position % block_size] = True
+    return step.kv_cache.masked_fill(~used[:, :, None, None], fill)
+
+
+@pytest.mark.parametrize("fill", [float("nan"), float("inf")])
+@pytest.mark.parametrize("scenario", ["verify", "mixed"])
+def test_unused_cache_rows_holding_nan_or_inf_change_nothing(scenario, fill):
+    """A masked key contributes an exact 0 whatever its row holds: its score is replaced by -inf and its
+    value by 0 (``0 * NaN`` would be NaN), in every attention; outputs stay finite and bitwise equal."""
+    step = make_step(*SCENARIOS[scenario], block_size=8, max_blocks=7)
+    poisoned = poison_unused_rows(step, fill)
+    assert not poisoned.isfinite().all()
+    bias = torch.randn(step.query.shape[0], HQ, 5)
+    ids = selection(step.query.shape[0], 2, 2, step.token.position, seed=5)
+
+    def attend(kv):
+        full = paged_attention(step.query, kv, step.block_table, step.token, scale=0.3, distance_bias=bias,
+                               query_tile=2, keys_per_chunk=16)
+        window = paged_attention(step.query, kv, step.block_table, step.token, scale=0.3, sliding_window=6)
+        sparse = sparse_region_attention(step.query, kv, step.block_table, step.token, ids, scale=0.3)
+        return full, window, sparse
+
+    for got, want in zip(attend(poisoned), attend(step.kv_cache)):
+        assert got.isfinite().all()
+        assert torch.equal(got, want)
+
+
 def selection(num_tokens: int, groups: int, k: int, position: torch.Tensor, seed: int) -> torch.Tensor:
     """Random distinct earlier-region ids per (token, group); -1 where fewer exist, sometimes the own id."""
     gen = torch.Generator().manual_seed(seed)
