@@ -28,6 +28,7 @@ def test_every_op_has_fake_kernels_and_samples():
         assert names, f"{qualname} has no samples"
         assert len(names) == len(set(names)), f"{qualname}: duplicate sample names {names}"
         errors = [e.sample.name for e in entry.error_inputs(torch.device("cpu"))]
+        assert any(e.data for e in entry.error_inputs(torch.device("cpu"))), f"{qualname}: no error input in its ids"
         assert errors and len(errors) == len(set(errors)), f"{qualname}: no or duplicate error inputs {errors}"
 
 
@@ -35,6 +36,6 @@ class TestSchemas(TestCase):
     def test_schema_snapshot(self):
         schemas = "\n".join(str(e.overload._schema) for e in registered_ops())
         self.assertExpectedInline(schemas, """\
-stepops::csa_ring_update(Tensor index_k, Tensor index_z, Tensor(a2!) ring, Tensor(a3!) summary_cache, Tensor token_position, Tensor token_chunk_start, Tensor token_chunk_len, Tensor token_ring_base, Tensor token_summary_slot, SymInt capacity) -> ()
+stepops::csa_ring_update(Tensor index_k, Tensor index_z, Tensor(a2!) ring, Tensor(a3!) summary_cache, Tensor token_position, Tensor token_chunk_start, Tensor token_chunk_len, Tensor token_ring_base, Tensor token_summary_slot, SymInt capacity, Tensor(a10!)? errors=None) -> ()
 stepops::paged_kv_write(Tensor key, Tensor value, Tensor(a2!) key_cache, Tensor(a3!) value_cache, Tensor slot_mapping, Tensor(a5!)? errors=None) -> ()
 stepops::sconv(Tensor x, Tensor weight, Tensor(a2!) cache, Tensor block_table, Tensor token_request, Tensor token_chunk_start, Tensor slot_mapping, Tensor token_position, SymInt stream_offset, bool residual=True, bool silu=False, Tensor(a11!)? errors=None) -> Tensor""")

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from stepops._meta.errors import check_errors_arg
+
 # A region is 8 consecutive positions; the token that closes it replays the 7 before it.
 REGION_SIZE = 8
 # The op reads up to REGION_SIZE - 1 rows from before the step, so a ring must hold at least that many.
@@ -44,6 +46,7 @@ def check_csa_ring_update_args(
     token_ring_base: torch.Tensor,
     token_summary_slot: torch.Tensor,
     capacity: int,
+    errors: torch.Tensor | None = None,
 ) -> None:
     """Raise ``TypeError``/``ValueError`` unless the arguments describe a well-formed step."""
     for name, t in (("index_k", index_k), ("index_z", index_z), ("ring", ring)):
@@ -89,6 +92,7 @@ def check_csa_ring_update_args(
     for name, t in zip(("index_z", "ring", "summary_cache", *METADATA_NAMES), (index_z, ring, summary_cache, *metadata)):
         if t.device != device:
             raise ValueError(f"csa_ring_update: {name} is on {t.device}, index_k on {device}")
+    check_errors_arg("csa_ring_update", errors, device)
 
 
 def csa_ring_update_fake(
@@ -102,6 +106,7 @@ def csa_ring_update_fake(
     token_ring_base: torch.Tensor,
     token_summary_slot: torch.Tensor,
     capacity: int,
+    errors: torch.Tensor | None = None,
 ) -> None:
     check_csa_ring_update_args(
         index_k,
@@ -114,4 +119,5 @@ def csa_ring_update_fake(
         token_ring_base,
         token_summary_slot,
         capacity,
+        errors,
     )

@@ -206,10 +206,14 @@ class Step5CSATailRing(nn.Module):
         summary_cache: torch.Tensor,
         metadata: CSARingMetadata,
         *,
+        errors: torch.Tensor | None = None,
         validate: bool = False,
     ) -> None:
         """Store the step's rows ``index_k``, ``index_z`` ``[T, 256]`` bf16 in the bound ring and write the
-        summary of every region a token closes into ``summary_cache`` (see :func:`stepops.csa_ring_update`)."""
+        summary of every region a token closes into ``summary_cache`` (see :func:`stepops.csa_ring_update`;
+        ``errors`` is its optional device-side count of tokens with out-of-range ids)."""
         if self.rows_per_block == 0:
             raise ValueError(f"Step5 CSA tail ring {self.layer_name} has no cache bound yet")
-        csa_ring_update(index_k, index_z, self.rows, summary_cache, metadata, self.capacity, validate=validate)
+        csa_ring_update(
+            index_k, index_z, self.rows, summary_cache, metadata, self.capacity, errors=errors, validate=validate
+        )

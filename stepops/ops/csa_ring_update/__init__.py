@@ -19,7 +19,7 @@ __all__ = ["CSARingMetadata", "build_csa_ring_metadata", "csa_ring_update", "val
 
 declare_op(
     "csa_ring_update",
-    mutates_args=("ring", "summary_cache"),
+    mutates_args=("ring", "summary_cache", "errors"),
     torch_kernel=csa_ring_update_torch,
     triton_kernel=triton_launcher(
         "stepops::csa_ring_update", "stepops.ops.csa_ring_update.triton_kernel", "csa_ring_update_triton"
@@ -152,6 +152,7 @@ def csa_ring_update(
     metadata: CSARingMetadata,
     capacity: int,
     *,
+    errors: torch.Tensor | None = None,
     validate: bool = False,
 ) -> None:
     """Store a step's ``[index_k | index_z]`` rows in the requests' rings and write closed regions' summaries.
@@ -166,6 +167,10 @@ def csa_ring_update(
             nearest even): a summary beyond the e4m3fn range saturates instead of becoming NaN.
         metadata: from :func:`build_csa_ring_metadata`; fixed-size ``[T]`` int32, ``-1`` for padding.
         capacity: rows per request ring, ``>= 7`` (the layout guarantees ``>= 7 + k``).
+        errors: optional int32 ``[1]`` device counter (``stepops.error_counter()``): on CUDA,
+            tokens whose chunk, ring or summary slot is out of range read and write nothing and are
+            counted there, read by the caller after the step; on CPU the op raises ``ValueError`` instead,
+            before writing anything.
         validate: run :func:`validate_csa_ring_update_inputs` on the host first (chunks, disjoint rings,
             rows and slots in range). Syncs; for debugging only.
 
@@ -193,4 +198,5 @@ def csa_ring_update(
         metadata.ring_base,
         metadata.summary_slot,
         capacity,
+        errors,
     )

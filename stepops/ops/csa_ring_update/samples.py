@@ -141,9 +141,12 @@ def samples(device: torch.device) -> Iterator[SampleInput]:
 
 
 def error_inputs(device: torch.device) -> Iterator[ErrorInput]:
-    """Bad calls of ``stepops::csa_ring_update`` and their errors: shape and dtype rules. Step: request 0 at positions 13..15
+    """Bad calls of ``stepops::csa_ring_update`` and their errors: each id out of range (earlier tokens are
+    valid, so a partial write would show), then shape and dtype rules. Step: request 0 at positions 13..15
     (tokens 0-2; token 2 closes region 1, replaying 5 ring rows), request 1 at position 23 (token 3,
     closes region 2), one padding token; capacity 8, blocks 10 rows apart (ring: 38 rows)."""
+    num_rows = 38
+
     def call(name, edit=lambda args: None):
         step = make_step(
             [3, 1], [16, 24], proxy_dim=4, capacity=8, rows_per_block=10, num_padding=1, device=device,
@@ -154,6 +157,20 @@ def error_inputs(device: torch.device) -> Iterator[ErrorInput]:
         edit(args)
         return SampleInput(name, tuple(args))
 
+    def set_id(index, token, value):
+        return lambda args: args[index].__setitem__(token, value)
+
+    base_rule = r"csa_ring_update: token_ring_base must be in \[0, 30\] for a real token .*got \[{}\] at tokens \[3\]"
+    for value in (-10, num_rows - 7):  # ring block -1; a ring running one row past the view
+        yield ErrorInput(call(f"ring_base_{value}", set_id(7, 3, value)), ValueError, base_rule.format(value), True)
+    slot_rule = r"csa_ring_update: token_summary_slot must be -1 or in \[0, {}\); got \[{}\] at tokens \[3\]"
+    for value in (8, 10**6, -2):
+        yield ErrorInput(call(f"summary_slot_{value}", set_id(8, 3, value)), ValueError, slot_rule.format(8, value), True)
+    yield ErrorInput(
+        call("chunk_start_negative", set_id(5, 3, -3)), ValueError,
+        r"csa_ring_update: token_chunk_start must be in \[0, t\] for a real token t .*got \[-3\] at tokens \[3\]",
+        True,
+    )  # fmt: skip
     yield ErrorInput(
         call("capacity_6", lambda args: args.__setitem__(9, 6)), ValueError, "csa_ring_update: capacity 6 < 7"
     )
@@ -164,4 +181,8 @@ def error_inputs(device: torch.device) -> Iterator[ErrorInput]:
     yield ErrorInput(
         call("summary_float32", lambda args: args.__setitem__(3, args[3].float())), TypeError,
         "csa_ring_update: summary_cache must be bfloat16",
+    )  # fmt: skip
+    yield ErrorInput(
+        call("errors_int64", lambda args: args.append(torch.zeros(1, dtype=torch.int64, device=device))), TypeError,
+        "csa_ring_update: errors must be an int32 counter",
     )  # fmt: skip

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from stepops._meta.csa_ring_update import FP8_E4M3_MAX, REGION_SIZE, check_csa_ring_update_args
+from stepops.ops.bounds import check_ids
 
 # exp_fp32's constants, each exactly an fp32 value (written in hex), so that every implementation uses the
 # same number whatever precision it converts a Python float in. Cody-Waite reduction and the Cephes expf
@@ -112,6 +113,7 @@ def csa_ring_update(
     token_ring_base: torch.Tensor,
     token_summary_slot: torch.Tensor,
     capacity: int,
+    errors: torch.Tensor | None = None,
 ) -> None:
     """Store one ragged step's CSA rows in the requests' tail rings and write the summaries of closed regions.
 
@@ -132,6 +134,13 @@ def csa_ring_update(
     Invariants the caller keeps: a request's tokens are contiguous with consecutive positions; rings of
     different requests do not overlap; ``b + capacity <= num_rows``; slots are in range and distinct;
     the ring holds positions ``p-7 .. c-1`` from earlier steps (the layout's ``capacity >= 7 + k``).
+
+    Memory safety (``stepops.ops.bounds``): a real token's chunk lies inside the step (``0 <= c <= t``,
+    ``c + n <= T``, its first position ``p - (t - c) >= 0``), its ring inside ``ring``
+    (``0 <= b <= num_rows - capacity``), and every summary slot is ``-1`` or a row of ``summary_cache``.
+    This kernel raises ``ValueError`` before writing anything otherwise; the Triton kernel has such a token
+    read and write nothing (a slot out of range is never written) and counts it in ``errors`` (int32
+    ``[1]``, optional; never written here).
     """
     check_csa_ring_update_args(
         index_k,
@@ -144,6 +153,7 @@ def csa_ring_update(
         token_ring_base,
         token_summary_slot,
         capacity,
+        errors,
     )
     proxy_dim = index_k.shape[1]
     token = torch.arange(index_k.shape[0], device=index_k.device)
@@ -153,6 +163,17 @@ def csa_ring_update(
     ring_base = token_ring_base.long()
     slot = token_summary_slot.long()
     real = position >= 0
+    # Every id that becomes an address is checked before anything is written.
+    num_tokens, op = index_k.shape[0], "csa_ring_update"
+    check_ids(op, "token_chunk_start", chunk_start, token + 1, where=real, padding=False,
+              expected="in [0, t] for a real token t (the row of its request's first token in this step)")
+    check_ids(op, "token_chunk_len", chunk_len, num_tokens - chunk_start + 1, where=real, padding=False,
+              expected=f"in [0, {num_tokens} - chunk_start] for a real token (its chunk inside the step)")
+    check_ids(op, "token_position", position - (token - chunk_start), 2**62, where=real, padding=False,
+              expected="at least t - chunk_start for a real token t (its request's first position >= 0)")
+    check_ids(op, "token_ring_base", ring_base, ring.shape[0] - capacity + 1, where=real, padding=False,
+              expected=f"in [0, {ring.shape[0] - capacity}] for a real token (its ring's rows inside ring)")
+    check_ids(op, "token_summary_slot", slot, summary_cache.shape[0])
 
     # 1. Replays, all reading the ring before step 2 stores anything.
     closes = real & (position % REGION_SIZE == REGION_SIZE - 1) & (slot >= 0)

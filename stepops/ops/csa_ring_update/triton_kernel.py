@@ -36,6 +36,7 @@ import triton.language as tl
 
 from stepops._meta import csa_ring_update as _meta
 from stepops.ops.csa_ring_update import torch_kernel as _spec
+from stepops.ops.triton_bounds import bad_id, count_error, in_extent
 from stepops.ops.triton_rounding import fp8_e4m3_code, round_fp32_to_bf16
 
 # Positions per CSA region (the closing token replays the REGION_SIZE - 1 before it).
@@ -145,6 +146,9 @@ def _csa_ring_update_kernel(
     chunk_len_ptr,
     ring_base_ptr,
     summary_slot_ptr,
+    errors_ptr,  # [1] int32, or any pointer when HAS_ERRORS is off
+    num_rows,
+    num_slots,
     stride_k0,
     stride_k1,
     stride_z0,
@@ -161,6 +165,7 @@ def _csa_ring_update_kernel(
     # order, so running both orders is how a CPU test shows that no program depends on another having run
     # first (a store landing before a replay's read would change the result). Serving launches it False.
     REVERSE_GRID: tl.constexpr,
+    HAS_ERRORS: tl.constexpr,
 ):
     t = tl.program_id(0)
     if REVERSE_GRID:
@@ -183,7 +188,14 @@ def _csa_ring_update_kernel(
     k_own = tl.load(index_k_ptr + t.to(tl.int64) * stride_k0 + d * stride_k1, mask=d < P)
     z_own = tl.load(index_z_ptr + t.to(tl.int64) * stride_z0 + d * stride_z1, mask=d < P)
 
-    real = position >= 0
+    # Ids that become addresses, checked once on wave-1 scalars (stepops.ops.bounds): a real token whose
+    # chunk lies outside the step or whose ring lies outside `ring` is not real, so it reads and writes
+    # nothing; it and a summary slot outside the cache (never written, below) are counted.
+    ids_ok = (chunk_start >= 0) & (chunk_start <= t) & (position >= t - chunk_start)
+    ids_ok = ids_ok & (chunk_len >= 0) & (chunk_len <= tl.num_programs(0) - chunk_start)
+    ids_ok = ids_ok & (ring_base >= 0) & (ring_base <= num_rows - capacity)
+    count_error(errors_ptr, ((position >= 0) & (ids_ok == 0)) | bad_id(own_slot, num_slots), HAS_ERRORS)
+    real = (position >= 0) & ids_ok
     offset = t - chunk_start
     start_position = position - offset  # the request's first position in this step
     is_leader = real & (offset == 0)
@@ -242,7 +254,7 @@ def _csa_ring_update_kernel(
         # block with them, ptxas moves later rows' loads between the first fold steps (the PTX has them
         # all first; the barrier does not stop arithmetic), each then a round trip after the step before
         # it: 4 round trips instead of 2 at P = 256 (7 with 2 warps), as gpu_build reads off the SASS.
-        if slot >= 0:
+        if in_extent(slot, num_slots):
             z, k = rows[0]
             m = z.to(tl.float32)
             s = tl.full([BLOCK_P], 1.0, dtype=tl.float32)
@@ -280,6 +292,7 @@ def csa_ring_update_triton(
     token_ring_base: torch.Tensor,
     token_summary_slot: torch.Tensor,
     capacity: int,
+    errors: torch.Tensor | None = None,
     *,
     reverse_grid: bool = False,
 ) -> None:
@@ -301,6 +314,7 @@ def csa_ring_update_triton(
         token_ring_base,
         token_summary_slot,
         capacity,
+        errors,
     )
     num_tokens, proxy_dim = index_k.shape
     if num_tokens == 0:
@@ -319,6 +333,9 @@ def csa_ring_update_triton(
         token_chunk_len,
         token_ring_base,
         token_summary_slot,
+        token_position if errors is None else errors,  # any pointer when there is no counter: never touched
+        ring.shape[0],
+        summary.shape[0],
         index_k.stride(0),
         index_k.stride(1),
         index_z.stride(0),
@@ -332,6 +349,7 @@ def csa_ring_update_triton(
         BLOCK_P=block_p,
         FP8_SUMMARY=fp8,
         REVERSE_GRID=reverse_grid,
+        HAS_ERRORS=errors is not None,
         # About 2 lanes of P per thread, at most 4 warps (one per SM sub-partition): a thread holds its
         # lanes of all 8 rows and 7 deferred rows before the fold, so at P = 256 two warps needed 107-120
         # registers and spilled 8 B on sm_80 with Triton 3.6; four halve that and the fold's time.
