@@ -134,6 +134,8 @@ def samples(device: torch.device) -> Iterator[SampleInput]:
             num_padding=1, summary_dtype=torch.float8_e4m3fn,
         ),
         "step5_proxy_dim_256": dict(query_lens=[3, 8], seq_lens=[8, 24], proxy_dim=256, capacity=16),
+        # An empty step (T = 0): one request with no tokens in it.
+        "empty_t0": dict(query_lens=[0], seq_lens=[8], proxy_dim=16, capacity=8),
     }  # fmt: skip
     for name, kwargs in cases.items():
         step = make_step(**kwargs, device=device, generator=generator)
