@@ -10,6 +10,7 @@ import torch
 
 from benchmarks.harness import Case, Workload
 from benchmarks.steps import generator as case_generator, standard_cases
+from stepops.ops.paged_kv_write.reference import paged_kv_write_reference
 
 OP = "paged_kv_write"
 FLOOR = "slot_mapping (T x 4 B) + real tokens x H x (D + Dv) x 2 B read + the same written"
@@ -37,11 +38,4 @@ def build(case: Case, device: torch.device) -> Workload:
     return Workload((key, value, key_cache, value_cache, slots), floor)
 
 
-def naive(key, value, key_cache, value_cache, slot_mapping) -> None:
-    """What a user writes first: walk the tokens on the host and assign each token's rows."""
-    block_size = key_cache.shape[1]
-    for t, slot in enumerate(slot_mapping.tolist()):
-        if slot < 0:
-            continue
-        key_cache[slot // block_size, slot % block_size] = key[t]
-        value_cache[slot // block_size, slot % block_size] = value[t]
+naive = paged_kv_write_reference

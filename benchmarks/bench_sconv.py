@@ -15,6 +15,7 @@ import torch
 from benchmarks.harness import Case, Settings, Workload
 from benchmarks.steps import decode, generator as case_generator, standard_cases, verify
 from stepops.layouts import InklingConvStateLayout, InklingStream
+from stepops.ops.sconv.reference import sconv_reference
 from stepops.ops.sconv.samples import step_metadata
 from stepops.testing import TOLERANCES
 
@@ -86,49 +87,7 @@ def build(case: Case, device: torch.device) -> Workload:
     return _workload(case, device, *LAYOUT.stream_range(InklingStream.K))
 
 
-def naive(
-    x, weight, cache, block_table, token_request, token_chunk_start, slot_mapping, token_position, stream_offset,
-    residual=True, silu=False,
-) -> torch.Tensor:
-    """What a user writes first: per request, gather its history taps, concatenate, convolve tap by tap.
-
-    The taps are summed in the op's documented order (``j = 0 .. W-1``, fp32), so the result must equal
-    the op's bit for bit; then each token's input is assigned to its slot.
-    """
-    num_heads, block_size = cache.shape[1], cache.shape[2]
-    width = x.shape[1] // num_heads
-    kernel_size = weight.shape[1]
-    stream = cache[..., stream_offset : stream_offset + width]
-    weight_f32 = weight.float()
-    y = torch.zeros_like(x)
-    request, position = token_request.tolist(), token_position.tolist()
-    start = 0
-    while start < len(request) and request[start] >= 0:
-        r = request[start]
-        end = start
-        while end < len(request) and request[end] == r:
-            end += 1
-        first = position[start]
-        history = list(range(max(0, first - (kernel_size - 1)), first))
-        blocks = block_table[r, [q // block_size for q in history]].long()
-        offsets = torch.tensor([q % block_size for q in history], dtype=torch.long, device=x.device)
-        taps = stream[blocks, :, offsets]
-        padding = x.new_zeros(kernel_size - 1 - len(history), x.shape[1])
-        sequence = torch.cat([padding, taps.reshape(len(history), x.shape[1]), x[start:end]]).float()
-        n = end - start
-        acc = torch.zeros(n, x.shape[1], dtype=torch.float32, device=x.device)
-        for j in range(kernel_size):
-            acc = acc + weight_f32[:, j] * sequence[j : j + n]
-        if silu:
-            acc = acc / (1.0 + torch.exp(-acc))
-        if residual:
-            acc = acc + x[start:end].float()
-        y[start:end] = acc.to(x.dtype)
-        start = end
-    for t, slot in enumerate(slot_mapping.tolist()):
-        if request[t] >= 0 and slot >= 0:
-            stream[slot // block_size, :, slot % block_size] = x[t].view(num_heads, width)
-    return y
+naive = sconv_reference
 
 
 def extras(settings: Settings, median_us: Callable[..., float]) -> dict[str, Any]:

@@ -6,8 +6,8 @@ Every ``benchmarks/bench_<op>.py`` module declares, for the stepops op of the sa
 - ``cases(quick) -> list[Case]``: configurations (decode at 1..256 requests, verify with k = 3, prefill);
 - ``build(case, device) -> Workload``: fresh, seeded inputs (the op's positional arguments) and the
   floor: each input read once, each output written once, counting only the cache rows actually touched;
-- ``naive(*args)``: the same semantics as a naive PyTorch user would write them (Python loops over
-  requests or tokens, index_select, scatter by assignment);
+- ``naive(*args)``: the op's naive reference, ``stepops.ops.<op>.reference`` (Python loops over tokens,
+  one assignment per row): the same semantics as a naive PyTorch user would write them;
 - optionally ``TOLERANCES``: ``{(provider, state): Tolerance}`` where a baseline computes with another
   arithmetic order than the op (otherwise results must be equal bit for bit) and ``extras(ctx)``:
   op-specific measurements.

@@ -1,5 +1,8 @@
-"""Every stepops op is complete: a fake, a CPU kernel, a CUDA kernel, samples, error inputs; schemas are
-snapshotted."""
+"""Every stepops op is complete: a fake, a CPU kernel, a CUDA kernel, samples, error inputs, a naive
+reference; schemas are snapshotted."""
+
+import importlib
+import inspect
 
 import torch
 from expecttest import TestCase
@@ -30,6 +33,9 @@ def test_every_op_has_fake_kernels_and_samples():
         errors = [e.sample.name for e in entry.error_inputs(torch.device("cpu"))]
         assert any(e.data for e in entry.error_inputs(torch.device("cpu"))), f"{qualname}: no error input in its ids"
         assert errors and len(errors) == len(set(errors)), f"{qualname}: no or duplicate error inputs {errors}"
+        reference = getattr(importlib.import_module(f"stepops.ops.{entry.name}.reference"), f"{entry.name}_reference")
+        schema_args = [a.name for a in entry.overload._schema.arguments if a.name != "errors"]
+        assert list(inspect.signature(reference).parameters) == schema_args, f"{qualname}: reference's arguments"
 
 
 class TestSchemas(TestCase):

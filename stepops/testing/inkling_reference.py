@@ -2,9 +2,10 @@
 
 One request at a time, the whole sequence at once, with independent formulations of everything the
 incremental path does through caches and metadata: attention by ``scaled_dot_product_attention`` with a
-dense additive mask (the relative bias placed by distance, ``-inf`` outside the causal window), short
-convs by ``F.conv1d``. The per-token pieces with no state (projections, norms, the per-token bias table and
-log scaling, the MLP) are the layer's own modules. Step5's recompute, which shares nothing with its layers, is
+dense additive mask (the relative bias placed by distance, ``-inf`` outside the causal window); short convs
+by sconv's one naive reference (:func:`stepops.ops.sconv.reference.short_conv_reference`, one request, no
+cache). The per-token pieces with no state (projections, norms, the per-token bias table and log scaling,
+the MLP) are the layer's own modules. Step5's recompute, which shares nothing with its layers, is
 :mod:`stepops.testing.step5_reference`; the comparison helpers are in :mod:`stepops.testing.recompute`.
 """
 
@@ -14,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from stepops.models.inkling import InklingDecoderLayer
+from stepops.ops.sconv.reference import short_conv_reference
 
 
 def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, scale: float) -> torch.Tensor:
@@ -36,14 +38,6 @@ def _causal(length: int, window: int | None, device: torch.device) -> torch.Tens
     return allowed if window is None else allowed & (j > i - window)
 
 
-def _short_conv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """Depthwise causal conv of ``x [L, C]`` with ``weight [C, W]`` plus the residual, fp32, rounded once."""
-    width = weight.shape[1]
-    x32 = x.float().t()[None]  # [1, C, L]
-    y = F.conv1d(x32, weight.float()[:, None, :], padding=width - 1, groups=x.shape[1])[..., : x.shape[0]]
-    return (y[0].t() + x.float()).to(x.dtype)
-
-
 def inkling_layer_reference(layer: InklingDecoderLayer, x: torch.Tensor) -> torch.Tensor:
     """One request's committed inputs ``x [L, hidden]`` through an Inkling layer, no cache, in ``x``'s dtype
     (bf16, or fp32 with an fp32 layer): the relative bias as a dense ``[Hq, L, L]`` additive mask."""
@@ -51,8 +45,8 @@ def inkling_layer_reference(layer: InklingDecoderLayer, x: torch.Tensor) -> torc
     position = torch.arange(length, device=x.device)
     h = layer.input_norm(x)
     q = layer.q_proj(h).view(length, layer.num_heads, layer.head_dim)
-    k = _short_conv(layer.k_proj(h), layer.conv_k)
-    v = _short_conv(layer.v_proj(h), layer.conv_v)
+    k = short_conv_reference(layer.k_proj(h), layer.conv_k)
+    v = short_conv_reference(layer.v_proj(h), layer.conv_v)
     q = layer.scaled_query(layer.q_norm(q), position)
     k = layer.k_norm(k.view(length, layer.num_kv_heads, layer.head_dim))
     v = v.view(length, layer.num_kv_heads, layer.head_dim)
@@ -63,5 +57,5 @@ def inkling_layer_reference(layer: InklingDecoderLayer, x: torch.Tensor) -> torc
         bias = torch.where(distance == d, table[:, :, d].t()[:, :, None], bias)
     mask = bias.masked_fill(~_causal(length, layer.sliding_window, x.device), float("-inf"))
     attn = _attention(q, k, v, mask, 1.0 / layer.head_dim)
-    x = x + _short_conv(layer.o_proj(attn.flatten(1)), layer.conv_attn)
-    return x + _short_conv(layer.mlp(layer.post_norm(x)), layer.conv_mlp)
+    x = x + short_conv_reference(layer.o_proj(attn.flatten(1)), layer.conv_attn)
+    return x + short_conv_reference(layer.mlp(layer.post_norm(x)), layer.conv_mlp)

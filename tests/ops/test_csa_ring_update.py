@@ -2,9 +2,9 @@
 metadata builder, the Triton kernel bitwise, and the docs example.
 
 Multi-step behaviour (chunk invariance, speculative decoding) is in ``test_csa_ring_update_steps.py``.
-The reference fold here is written with numpy, independently of the kernels: the formula the op documents
-(rows 0..7 in order, fp32 running max/sum/accumulator, two ``exp`` per step with the numpy ``exp`` of
-``test_csa_ring_update_exp.py``, ``a / s``).
+The per-token reference is ``stepops.ops.csa_ring_update.reference``: the fold the op documents in numpy,
+independently of the kernels (rows 0..7 in order, fp32 running max/sum/accumulator, two ``exp`` per step
+with its own numpy ``exp``, ``a / s``).
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from conftest import triton_device
 import triton
 import triton.language as tl
-from test_csa_ring_update_exp import _two_exp_fold, numpy_exp
 from stepops.ops.csa_ring_update import CSARingMetadata, build_csa_ring_metadata, csa_ring_update
+from stepops.ops.csa_ring_update.reference import csa_ring_update_reference, fold, region_summary
 from stepops.ops.csa_ring_update.samples import SUMMARY_BLOCK_SIZE, make_step
 from stepops.ops.csa_ring_update.triton_kernel import _fold_step, csa_ring_update_triton
 from stepops.testing import TOLERANCES, op_samples
@@ -31,26 +31,8 @@ _SOFTMAX_TOLERANCE = TOLERANCES["csa_ring_summary_vs_softmax"]
 
 
 # ------------------------------------------------------------------------------------------------------
-# Independent references
+# Independent checks and helpers
 # ------------------------------------------------------------------------------------------------------
-
-
-def reference_summary(k_rows: torch.Tensor, z_rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Summary bytes of one region from its 8 ``[P]`` bf16 rows, folded with numpy fp32 in order 0..7."""
-    k = k_rows.float().numpy()
-    z = z_rows.float().numpy()
-    m, s, a = z[0].copy(), np.ones_like(z[0]), k[0].copy()
-    for j in range(1, 8):
-        m_new = np.maximum(m, z[j])
-        alpha = numpy_exp(m - m_new)
-        beta = numpy_exp(z[j] - m_new)
-        s = s * alpha + beta
-        a = a * alpha + beta * k[j]
-        m = m_new
-    summary = torch.from_numpy(a / s).to(torch.bfloat16)
-    if dtype == torch.bfloat16:
-        return summary.view(torch.int16)
-    return summary.clamp(-448, 448).to(torch.float8_e4m3fn).view(torch.uint8)
 
 
 def softmax_summary(k_rows: torch.Tensor, z_rows: torch.Tensor) -> torch.Tensor:
@@ -96,38 +78,17 @@ KERNELS = ["torch", "triton", "triton_reversed"]
 # ------------------------------------------------------------------------------------------------------
 
 
-def _expected_after(step, query_lens, seq_lens, ring_before, summary_before):
-    """Walk requests and tokens one by one: the ring rows and summary rows the docs say a step writes."""
-    width = step.ring.shape[1]
-    proxy_dim = width // 2
-    ring = ring_before.clone().view(-1, width)  # every row of the cache, gap rows included
-    summary = summary_before.clone()
-    cap = step.capacity
-    flat = 0
-    for r, (n, seq_len) in enumerate(zip(query_lens, seq_lens)):
-        base = int(step.ring_blocks[r]) * step.rows_per_block
-        start = seq_len - n
-        ring_at = {}  # rows of earlier positions, as the ring held them before the step
-        for t in range(n):
-            p = start + t
-            if p % 8 == 7:
-                k_rows, z_rows = [], []
-                for q in range(p - 7, p + 1):
-                    if q >= start:
-                        k_rows.append(step.index_k[flat + q - start])
-                        z_rows.append(step.index_z[flat + q - start])
-                    else:
-                        row = ring_before.view(-1, width)[base + q % cap].view(torch.bfloat16)
-                        k_rows.append(row[:proxy_dim])
-                        z_rows.append(row[proxy_dim:])
-                slot = summary_slot(step, r, p // 8)
-                summary[slot] = reference_summary(torch.stack(k_rows), torch.stack(z_rows), step.summary_cache.dtype)
-            if t >= n - cap:
-                ring_at[base + p % cap] = torch.cat([step.index_k[flat + t], step.index_z[flat + t]]).view(torch.int16)
-        for row, value in ring_at.items():
-            ring[row] = value
-        flat += n
-    return ring.view(ring_before.shape), summary
+def _expected_after(step, ring_before, summary_before):
+    """The reference on CPU copies of the caches' bytes: ``(ring cache as int16, summary cache bytes)``."""
+    cache = ring_before.cpu().clone()
+    ring = torch.as_strided(
+        cache.view(torch.bfloat16), step.ring.shape, step.ring.stride(), step.ring.storage_offset() - step.cache.storage_offset()
+    )
+    summary = summary_before.cpu().clone()
+    summary_cache = summary.view(torch.bfloat16) if summary.dtype == torch.int16 else summary
+    inputs = [t.cpu() for t in (step.index_k, step.index_z, *step.metadata)]
+    csa_ring_update_reference(inputs[0], inputs[1], ring, summary_cache, *inputs[2:], step.capacity)
+    return cache, summary
 
 
 STEPS = {
@@ -154,10 +115,10 @@ def test_step_matches_per_token_walk_and_writes_nothing_else(name, summary_dtype
     poison(step)
     ring_before = step.cache.view(torch.int16).clone()
     summary_before = summary_bytes(step.summary_cache).clone()
-    expected_ring, expected_summary = _expected_after(step, query_lens, seq_lens, ring_before, summary_before)
+    expected_ring, expected_summary = _expected_after(step, ring_before, summary_before)
     run(kernel, step)
-    assert torch.equal(step.cache.view(torch.int16), expected_ring)
-    assert torch.equal(summary_bytes(step.summary_cache), expected_summary)
+    assert torch.equal(step.cache.view(torch.int16).cpu(), expected_ring)
+    assert torch.equal(summary_bytes(step.summary_cache).cpu(), expected_summary)
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
@@ -181,7 +142,7 @@ def test_trap_verify_step_whose_first_token_closes_with_capacity_7_plus_k(summar
     run(kernel, step)
     all_k = torch.cat([prefill_k, step.index_k])
     all_z = torch.cat([prefill_z, step.index_z])
-    expected = reference_summary(all_k[16:24].cpu(), all_z[16:24].cpu(), summary_dtype)
+    expected = summary_bytes(region_summary(all_k[16:24], all_z[16:24], summary_dtype))
     assert torch.equal(summary_bytes(step.summary_cache)[summary_slot(step, 0, 2)].cpu(), expected)
     base = int(step.ring_blocks[0]) * step.rows_per_block
     assert torch.equal(step.ring[base + 6], torch.cat([all_k[26], all_z[26]]))
@@ -406,7 +367,7 @@ def _fold_rows(k_ptr, z_ptr, out_ptr, n, BLOCK: tl.constexpr):
 @pytest.mark.parametrize("z_scale", [1.0, 30.0])
 def test_triton_fold_step_is_the_documented_fold_bitwise_in_fp32(z_scale):
     """The Triton kernel's fold step, in fp32 before the bf16/fp8 rounding that hides an ulp, against the
-    documented two-exp fold in numpy (``test_csa_ring_update_exp``): equal bits, ties and underflow
+    documented two-exp fold in numpy (``reference.fold``): equal bits, ties and underflow
     included. A changed order, an fp32 library exp or a fused multiply-add in ``_fold_step`` fails here."""
     if triton_device().type != "cpu":
         pytest.skip("the interpreter's numpy arithmetic is the reference's; a GPU's exp path is checked by the GPU tests")
@@ -416,7 +377,7 @@ def test_triton_fold_step_is_the_documented_fold_bitwise_in_fp32(z_scale):
     k = torch.randn(8, 1024, generator=generator).bfloat16().float()
     out = torch.empty(1024)
     _fold_rows[(1,)](k, z, out, 1024, BLOCK=1024)
-    want = _two_exp_fold(k.numpy(), z.numpy())
+    want = fold(k.numpy(), z.numpy())
     assert np.array_equal(out.numpy().view(np.uint32), want.view(np.uint32))
 
 

@@ -2,10 +2,9 @@
 independent numpy implementation, in fp32 before any rounding to bf16; its accuracy; and the one-exp fold
 step against the two-exp formula the op documents.
 
-The reference below is written from the documented algorithm (Cody-Waite reduction, the Cephes expf
-polynomial) with its own constants, typed from Cephes' decimal literals and rounded to fp32 by numpy, and
-it scales by ``2**n`` with ``np.ldexp`` rather than by building exponent bits. A wrong constant, a changed
-operation order or a fused multiply-add in either kernel changes bits on this sample.
+The reference is the op's naive reference, ``stepops.ops.csa_ring_update.reference.numpy_exp``, written from
+the documented algorithm with its own constants (see that module). A wrong constant, a changed operation
+order or a fused multiply-add in either kernel changes bits on this sample.
 """
 
 from __future__ import annotations
@@ -18,28 +17,10 @@ import triton.language as tl
 
 from conftest import triton_device
 from stepops.ops.csa_ring_update import torch_kernel
+from stepops.ops.csa_ring_update.reference import BELOW_IS_ZERO, fold, numpy_exp
 from stepops.ops.csa_ring_update.triton_kernel import exp_fp32 as triton_exp_fp32
 
 _F = np.float32
-# Cephes expf (S. L. Moshier): C1 + C2 = ln 2, C1 with 9 significant bits; P(r) highest degree first.
-_LOG2E = _F(1.44269504088896341)
-_C1, _C2 = _F(0.693359375), _F(-2.12194440e-4)
-_P = [_F(c) for c in (1.9875691500e-4, 1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1, 5.0000001201e-1)]
-_BELOW_IS_ZERO = _F(-87.0)
-
-
-def numpy_exp(x: np.ndarray) -> np.ndarray:
-    """exp of fp32 ``x <= 0``: ``2**n (P(r) r^2 + r + 1)``, ``n = floor(x log2e + 1/2)``, ``r = x - n ln2``
-    in two parts; 0 below -87 (and for NaN). Every numpy operation here rounds once in fp32."""
-    x = np.asarray(x, dtype=_F)
-    xc = np.where(x >= _BELOW_IS_ZERO, x, _BELOW_IS_ZERO)
-    n = np.floor(xc * _LOG2E + _F(0.5))
-    r = (xc - n * _C1) - n * _C2
-    p = _P[0]
-    for c in _P[1:]:
-        p = p * r + c
-    y = (p * (r * r) + r) + _F(1.0)
-    return np.where(x >= _BELOW_IS_ZERO, np.ldexp(y, n.astype(np.int32)), _F(0.0)).astype(_F)
 
 
 def _inputs() -> np.ndarray:
@@ -65,7 +46,7 @@ def test_numpy_reference_is_accurate():
     got = numpy_exp(x)
     with np.errstate(over="ignore"):
         exact = np.exp(x.astype(np.float64)).astype(_F)
-    kept = x >= _BELOW_IS_ZERO
+    kept = x >= BELOW_IS_ZERO
     ulps = np.abs(_bits(got[kept]).astype(np.int64) - _bits(exact[kept]).astype(np.int64))
     assert ulps.max() <= 1, x[kept][ulps.argmax()]
     assert np.all(got[~kept] == 0)
@@ -99,18 +80,6 @@ def test_triton_kernel_exp_matches_the_reference_bitwise():
     assert mismatch.size == 0, f"{mismatch.size} values differ, e.g. exp({x[mismatch[0]]!r})"
 
 
-def _two_exp_fold(k: np.ndarray, z: np.ndarray) -> np.ndarray:
-    """The op's documented fold, in numpy: two exps per step, ``alpha = exp(m - m')``, ``beta = exp(z - m')``."""
-    m, s, a = z[0].copy(), np.ones_like(z[0]), k[0].copy()
-    for j in range(1, 8):
-        m_new = np.maximum(m, z[j])
-        alpha, beta = numpy_exp(m - m_new), numpy_exp(z[j] - m_new)
-        s = s * alpha + beta
-        a = a * alpha + beta * k[j]
-        m = m_new
-    return a / s
-
-
 @pytest.mark.parametrize("z_scale", [1.0, 30.0])
 def test_one_exp_per_step_gives_the_two_exp_fold_bitwise(z_scale):
     """fold_region computes exp(min - max) once per step and multiplies by exactly 1 where the documented
@@ -120,5 +89,5 @@ def test_one_exp_per_step_gives_the_two_exp_fold_bitwise(z_scale):
     z[3] = z[2]  # ties: exp(0) on both sides
     k = torch.randn(8, 4096).bfloat16().float()
     got = torch_kernel.fold_region(k, z).numpy()
-    want = _two_exp_fold(k.numpy(), z.numpy())
+    want = fold(k.numpy(), z.numpy())
     assert np.array_equal(_bits(got), _bits(want))

@@ -2,7 +2,7 @@
 
 Sequences are driven step by step through the public wrapper (PyTorch kernel) or the Triton launcher
 (interpreter), with metadata from ``build_csa_ring_metadata``; every summary is checked bit for bit against
-the numpy fold of ``test_csa_ring_update.reference_summary`` over committed rows only.
+the numpy fold of ``stepops.ops.csa_ring_update.reference.region_summary`` over committed rows only.
 """
 
 from __future__ import annotations
@@ -14,10 +14,11 @@ import torch
 
 from conftest import triton_device
 from stepops.ops.csa_ring_update import build_csa_ring_metadata, csa_ring_update
+from stepops.ops.csa_ring_update.reference import region_summary
 from stepops.ops.csa_ring_update.samples import SUMMARY_BLOCK_SIZE, bind_ring
 from stepops.ops.csa_ring_update.triton_kernel import csa_ring_update_triton
 from stepops.testing import TOLERANCES
-from test_csa_ring_update import reference_summary, softmax_summary, summary_bytes
+from test_csa_ring_update import softmax_summary, summary_bytes
 
 _SOFTMAX_TOLERANCE = TOLERANCES["csa_ring_summary_vs_softmax"]
 
@@ -77,7 +78,7 @@ def check_committed_regions(rings: Rings, committed: list[tuple[torch.Tensor, to
         for region in range(k.shape[0] // 8):
             rows = slice(8 * region, 8 * region + 8)
             got = rings.summary(r, region)
-            assert torch.equal(got, reference_summary(k[rows], z[rows], rings.summary_dtype)), (r, region)
+            assert torch.equal(got, summary_bytes(region_summary(k[rows], z[rows], rings.summary_dtype))), (r, region)
             if rings.summary_dtype == torch.bfloat16:
                 torch.testing.assert_close(
                     got.view(torch.bfloat16).double(), softmax_summary(k[rows], z[rows]),

@@ -1,28 +1,16 @@
-"""``stepops::paged_kv_write``: a per-token Python reference, poisoned caches, the Triton kernel bitwise."""
+"""``stepops::paged_kv_write``: its per-token reference, poisoned caches, the Triton kernel bitwise."""
 
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from stepops.ops.paged_kv_write import paged_kv_write
+from stepops.ops.paged_kv_write.reference import paged_kv_write_reference
 from stepops.ops.paged_kv_write.triton_kernel import paged_kv_write_triton
 from stepops.testing import op_samples
 from conftest import triton_device
 
 _SAMPLES = list(op_samples(op_name="paged_kv_write"))
-
-
-def _reference(key, value, key_cache, value_cache, slot_mapping):
-    """Independent formulation: walk the tokens one by one and copy each row element by element per head."""
-    key_cache, value_cache = key_cache.clone(), value_cache.clone()
-    block_size = key_cache.shape[1]
-    for t, slot in enumerate(slot_mapping.tolist()):
-        if slot == -1:
-            continue
-        for h in range(key.shape[1]):
-            key_cache[slot // block_size, slot % block_size, h, :] = key[t, h, :]
-            value_cache[slot // block_size, slot % block_size, h, :] = value[t, h, :]
-    return key_cache, value_cache
 
 
 def _base(cache: torch.Tensor) -> torch.Tensor:
@@ -33,7 +21,8 @@ def _base(cache: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("sample", _SAMPLES, ids=[s.name for s in _SAMPLES])
 def test_matches_reference_and_touches_nothing_else(sample):
     key, value, key_cache, value_cache, slots = sample.args
-    want_k, want_v = _reference(key, value, key_cache, value_cache, slots)
+    want_k, want_v = key_cache.clone(), value_cache.clone()
+    paged_kv_write_reference(key, value, want_k, want_v, slots)
     base_k_before, base_v_before = _base(key_cache).clone(), _base(value_cache).clone()
     paged_kv_write(key, value, key_cache, value_cache, slots, validate=True)
     assert torch.equal(key_cache, want_k) and torch.equal(value_cache, want_v)

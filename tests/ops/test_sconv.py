@@ -1,4 +1,4 @@
-"""``stepops::sconv``: a per-token reference, poisoned caches, streams, bad input, the Triton kernel bitwise.
+"""``stepops::sconv``: its per-token reference, poisoned caches, streams, bad input, the Triton kernel bitwise.
 
 Multi-step behaviour (chunk and batch invariance, speculative decoding against ``nn.Conv1d``) is in
 ``test_sconv_steps.py``.
@@ -17,6 +17,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from conftest import triton_device
 from stepops.layouts import InklingStream
 from stepops.ops.sconv import SconvMetadata, build_sconv_metadata, sconv
+from stepops.ops.sconv.reference import sconv_reference
 from stepops.ops.sconv.samples import SAMPLE_LAYOUT, random_block_table, sample_cache, step_metadata
 from stepops.ops.sconv.torch_kernel import silu_fp32
 from stepops.ops.sconv.triton_kernel import _silu, sconv_triton
@@ -44,60 +45,20 @@ def _poison(cache: torch.Tensor) -> None:
     base.copy_(torch.randint(-(2**15), 2**15, base.shape, dtype=torch.int16))
 
 
-def _expected_storage(x, cache, metadata: SconvMetadata, stream_offset):
-    """Independent formulation of the stores: token by token, head by head, on a copy of the storage."""
-    base = _base(cache).clone()
-    expected = torch.as_strided(base, cache.shape, cache.stride(), cache.storage_offset())
-    num_heads, block_size = cache.shape[1], cache.shape[2]
-    width = x.shape[1] // num_heads
-    for t, (request, slot) in enumerate(zip(metadata.token_request.tolist(), metadata.slot_mapping.tolist())):
-        if request < 0 or slot < 0:
-            continue
-        for h in range(num_heads):
-            row = x[t, h * width : (h + 1) * width].view(torch.int16)
-            expected[slot // block_size, h, slot % block_size, stream_offset : stream_offset + width] = row
-    return base
-
-
-def _per_token_reference(x, weight, cache, block_table, metadata, stream_offset, residual=True, silu=False):
-    """y token by token from the documented formula, taps looked up one at a time (cache before the step)."""
-    num_heads, block_size = cache.shape[1], cache.shape[2]
-    width = x.shape[1] // num_heads
-    kernel_size = weight.shape[1]
-    request, chunk_start, _, position = (m.tolist() for m in metadata)
-    y = torch.zeros(x.shape, dtype=x.dtype)
-    for t in range(x.shape[0]):
-        r, p = request[t], position[t]
-        if r < 0:
-            continue
-        first = p - (t - chunk_start[t])
-        acc = torch.zeros(x.shape[1])
-        for j in range(kernel_size):
-            q = p - (kernel_size - 1) + j
-            if q < 0:
-                tap = torch.zeros(x.shape[1])
-            elif q >= first:
-                tap = x[t - (p - q)].float()
-            elif q // block_size >= block_table.shape[1] or int(block_table[r, q // block_size]) < 0:
-                tap = torch.zeros(x.shape[1])  # an unallocated block reads as zero
-            else:
-                block = int(block_table[r, q // block_size])
-                tap = cache[block, :, q % block_size, stream_offset : stream_offset + width].reshape(-1).float()
-            acc = acc + weight[:, j].float() * tap
-        if silu:
-            acc = acc / (1.0 + torch.exp(-acc))
-        if residual:
-            acc = acc + x[t].float()
-        y[t] = acc.to(x.dtype)
-    return y
+def _reference(x, weight, cache, block_table, metadata: SconvMetadata, stream_offset, **flags):
+    """``sconv_reference`` on a CPU copy of the cache's whole storage: ``(y, that storage as int16)``."""
+    base = _base(cache).cpu().clone()
+    copy = torch.as_strided(base.view(torch.bfloat16), cache.shape, cache.stride(), cache.storage_offset())
+    cpu = [t.cpu() for t in (x, weight, block_table, *metadata)]
+    y = sconv_reference(cpu[0], cpu[1], copy, cpu[2], *cpu[3:], stream_offset, **flags)
+    return y, base
 
 
 @pytest.mark.parametrize("sample", _SAMPLES, ids=[s.name for s in _SAMPLES])
 def test_matches_per_token_reference_and_stores_only_its_slots(sample):
     """Same arithmetic order as the reference, so bitwise; the whole storage outside the slots is unchanged."""
     x, weight, cache, block_table, metadata, offset = _split(sample.args)
-    want_y = _per_token_reference(x, weight, cache, block_table, metadata, offset, **sample.kwargs)
-    want_storage = _expected_storage(x, cache, metadata, offset)
+    want_y, want_storage = _reference(x, weight, cache, block_table, metadata, offset, **sample.kwargs)
     y = sconv(x, weight, cache, block_table, metadata, offset, validate=True, **sample.kwargs)
     assert torch.equal(y, want_y)
     assert torch.equal(_base(cache), want_storage)
@@ -176,11 +137,9 @@ def test_four_streams_never_overwrite_each_other_and_padding_writes_nothing(kern
         x = torch.randn(metadata.token_request.numel(), channels).to(device=device, dtype=torch.bfloat16)
         x[padding] = float("nan")
         weight = torch.randn(channels, SAMPLE_LAYOUT.kernel_size).to(device=device, dtype=torch.bfloat16)
-        want = _expected_storage(x, cache, metadata, offset)
-        cpu_metadata = SconvMetadata(*(m.cpu() for m in metadata))
-        want_y = _per_token_reference(x.cpu(), weight.cpu(), cache.cpu(), block_table.cpu(), cpu_metadata, offset)
+        want_y, want = _reference(x, weight, cache, block_table, metadata, offset)
         y = run(x, weight, cache, block_table, metadata, offset)
-        assert torch.equal(_base(cache), want), stream.name
+        assert torch.equal(_base(cache).cpu(), want), stream.name
         assert torch.equal(y[padding], torch.zeros_like(y[padding])), stream.name
         assert not y[4].isnan().any() and not y[~padding].eq(0).all(), stream.name
         torch.testing.assert_close(y.cpu(), want_y, atol=0, rtol=0, equal_nan=True, msg=stream.name)
@@ -195,7 +154,7 @@ def test_block_smaller_than_kernel_reads_across_several_blocks():
     metadata = step_metadata([5, 9], [2, 1], block_table, 2, 4)
     x = torch.randn(4, 2 * width).to(torch.bfloat16)
     weight = torch.randn(2 * width, 4).to(torch.bfloat16)
-    want = _per_token_reference(x, weight, cache, block_table, metadata, offset)
+    want, _ = _reference(x, weight, cache, block_table, metadata, offset)
     assert torch.equal(sconv(x, weight, cache, block_table, metadata, offset, validate=True), want)
 
 
@@ -225,10 +184,7 @@ def test_unallocated_blocks_of_earlier_taps_read_as_zero_in_both_kernels(kernel)
     device = triton_device() if kernel == "triton" else torch.device("cpu")
     x, weight, cache, block_table, metadata, offset = _unallocated_step(device)
     assert metadata.slot_mapping.tolist()[0] == -1  # request 0's own position 9 has no block either
-    want_y = _per_token_reference(
-        x.cpu(), weight.cpu(), cache.cpu(), block_table.cpu(), SconvMetadata(*(m.cpu() for m in metadata)), offset
-    )
-    want_storage = _expected_storage(x, cache, metadata, offset)
+    want_y, want_storage = _reference(x, weight, cache, block_table, metadata, offset)
     y = _KERNELS[kernel](x, weight, cache, block_table, metadata, offset)
     assert torch.equal(y.cpu(), want_y)
     assert torch.equal(_base(cache).cpu(), want_storage.cpu())
