@@ -198,7 +198,9 @@ def paged_attention(
     q = q.reshape(num_tiles, num_kv_heads, group * query_tile, head_size)
     q_position = tiles.position[:, :, None]  # [tiles, Qt, 1]
     if sliding_window is None:
-        first_column = torch.zeros(num_tiles, dtype=torch.int64, device=device)
+        # Every tile starts at column 0. Not an added zeros tensor: Inductor's no-op removal of x + zeros
+        # compares the [tiles, C] and [C] shapes element by element and guards tiles == C (a dynamic T fails).
+        first_column = None
         num_columns = max_blocks
     else:
         # Slot 0 holds the tile's first (lowest) position: keys from p0 - window + 1 on.
@@ -215,7 +217,8 @@ def paged_attention(
         # Measured (benchmarks/bench_attention.py, 16k-token contexts, Inductor CPU): compiled peak 80 MiB
         # with no ordering, 32 MiB ordered on the values alone, 17 MiB as here (17 MiB at 1k).
         after = ((state.acc[:1, :1, :1, :1].abs() < 0) | (state.sum[:1, :1, :1] < 0)).long().view(1, 1)
-        column = first_column[:, None] + start + torch.arange(width, device=device) + after  # [tiles, C]
+        column = start + torch.arange(width, device=device) + after  # [1, C]
+        column = (column if first_column is None else first_column[:, None] + column).expand(num_tiles, width)
         block = table.gather(1, column.clamp(max=max_blocks - 1))
         live = (column < max_blocks) & (block >= 0)
         block = block.clamp(min=0)
@@ -381,11 +384,20 @@ def csa_region_scorer(
     summaries = summary_cache.view(torch.float8_e4m3fn) if summary_cache.dtype == torch.uint8 else summary_cache
     own = (token.position.long() // REGION_SIZE)[:, None, None]
 
+    previous = None  # the last chunk's scores
+
     def score_chunk(start: int, size: int) -> torch.Tensor:
+        nonlocal previous
         slots = region_summary_slots(summary_block_table, summary_block_size, token.request, start, size)
+        if previous is not None:
+            # An exact 0 (|x| < 0 is false, NaN and -inf included) that depends on the previous chunk's
+            # scores: it orders the chunks' gathers for a compiler, which otherwise gathered every chunk's
+            # summaries before scoring any (compiled step peak growing with the context).
+            slots = slots + (previous[:1, :1, :1].abs() < 0).long().view(1, 1)
         per_head = torch.einsum("tghp,trp->tghr", index_query.float(), summaries[slots].float())
         scores = (torch.relu(per_head) * index_weights[..., None]).sum(2)  # [T, G, size]
         region = torch.arange(start, start + size, device=scores.device)
-        return scores.masked_fill(region >= own, float("-inf"))
+        previous = scores.masked_fill(region >= own, float("-inf"))
+        return previous
 
     return score_chunk

@@ -344,6 +344,32 @@ def test_compiled_fullgraph_matches_eager(backend):
             torch.testing.assert_close(g.float(), w.float(), **TOL[torch.bfloat16])
 
 
+def test_one_inductor_graph_for_every_token_count():
+    """A dynamic T (as the runner compiles a step), first traced where the tile count equals the chunk's
+    column count and the request count (8 decode tiles, 8 columns, 8 requests). Both failed mark_dynamic's
+    range before (mutation-checked): a tile count built with min(R, T) made guards Dynamo could not prove,
+    and Inductor's x + zeros no-op removal, on a zeros start column, guarded tiles == columns.
+    """
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    def attend(query, kv_cache, table, position, request, chunk_start):
+        token = TokenMetadata(request=request, chunk_start=chunk_start, position=position)
+        return paged_attention(query, kv_cache, table, token, scale=0.5, query_tile=2, keys_per_chunk=32)
+
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("inductor")
+    compiled = torch.compile(attend, backend=counter, fullgraph=True)
+    for new in ([1] * 8, [2, 2, 1, 1] * 2, [1, 1, 2, 4] * 2):  # T = 8, 12, 16
+        step = make_step([13, 9, 2, 10] * 2, new, sum(new), max_blocks=8)
+        args = (step.query, step.kv_cache, step.block_table, step.token.position, step.token.request,
+                step.token.chunk_start)
+        for tensor in (args[0], *args[3:]):
+            torch._dynamo.mark_dynamic(tensor, 0, min=2, max=16)
+        torch._dynamo.mark_dynamic(step.kv_cache, 0)  # each step's cache has its own block count
+        torch.testing.assert_close(compiled(*args), attend(*args), **TOL[torch.float32])
+    assert counter.frame_count == 1
+
+
 def test_compiled_memory_does_not_grow_with_the_context():
     """Inductor may schedule a static loop's independent chunks together (it did: every chunk's gather
     fused into one kernel); a decode step's compiled peak must stay that of one chunk from 1 to 4 chunks."""
