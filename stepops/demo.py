@@ -10,10 +10,15 @@ With ``tp > 1`` the Inkling stack runs tensor-parallel: the demo spawns ``tp`` l
 NCCL with one GPU per rank), each loads its shard of the same seeded weights, and every rank's outputs are
 checked against the recompute of the unsharded model. Step5 stays in one process (tensor parallelism here
 is Inkling's).
+
+The one demo module: :func:`register` adds the ``demo`` subcommand to ``python -m stepops``. It imports the
+recompute and the tolerance table from :mod:`stepops.testing`, because checking against them is its job; it
+sits on top with the CLI and the benchmarks, and no model or op module imports it or ``stepops.testing``.
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import math
@@ -329,6 +334,41 @@ def _print_table(report: dict[str, dict]) -> None:
                 "output may land a bf16 ulp or two of its token's scale apart." if bound == _BOUND else
                 "; the ranks' bf16 partial sums round once more than one matmul, so not bitwise."))
 
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """``python -m stepops demo [--json PATH] [--device D] [--backend B] [--tp N]``."""
+    parser = subparsers.add_parser(
+        "demo",
+        help="run 2-layer Step5 and Inkling stacks through a multi-request workload, eager and compiled",
+        description="Run a 2-layer Step5 stack and a 2-layer Inkling stack through a scripted multi-request "
+        "workload (chunked prefill, decode, speculative verify with rejections), eagerly, compiled with "
+        "torch.compile(fullgraph=True) and, with a GPU, from CUDA graphs; check each run against a full "
+        "recompute without caches and print a table. Exits 1 when a check fails.",
+    )
+    parser.add_argument("--json", metavar="PATH", help="also write the per-model results as JSON")
+    parser.add_argument("--device", default="auto", help="auto (a GPU when present), cpu or cuda")
+    parser.add_argument(
+        "--backend", default="inductor", help="torch.compile backend for the compiled runs (default: inductor)"
+    )
+    parser.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        metavar="N",
+        help="run the Inkling stack tensor-parallel on N spawned ranks (gloo on CPU, NCCL with N GPUs); "
+        "Step5 stays in one process (default: 1)",
+    )
+    parser.set_defaults(run=_run)
+
+
+def _run(args: argparse.Namespace) -> int:
+    try:  # before any work: a bad argument is one line on stderr, not a traceback minutes later
+        check_demo_args(device=args.device, backend=args.backend, tp=args.tp, json_path=args.json)
+    except ValueError as error:
+        print(f"stepops demo: {error}", file=sys.stderr)
+        return 2
+    return run_demo(json_path=args.json, device=args.device, backend=args.backend, tp=args.tp)
 
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(run_demo())

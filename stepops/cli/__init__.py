@@ -1,8 +1,9 @@
-"""The ``python -m stepops`` command line: one module per subcommand.
+"""The ``python -m stepops`` command line: one module per subcommand (``layout`` here, ``demo`` in
+:mod:`stepops.demo`, the one demo module).
 
 Each subcommand module has ``register(subparsers)``, which adds its parser and sets ``run`` (a function
-of the parsed arguments returning the exit status) as the parser default. Adding a subcommand is a new
-module here and one entry in ``_COMMANDS``.
+of the parsed arguments returning the exit status) as the parser default. Adding a subcommand is a module
+with ``register`` and one entry in ``_COMMANDS``.
 """
 
 from __future__ import annotations
@@ -10,7 +11,8 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
-from stepops.cli import demo, layout
+from stepops import demo
+from stepops.cli import layout
 
 _COMMANDS = (layout, demo)
 
