@@ -41,7 +41,8 @@ def _parser() -> argparse.ArgumentParser:
     layers.add_argument("--no-layers", action="store_true", help="skip the decoder layer steps")
     attention = parser.add_mutually_exclusive_group()
     attention.add_argument("--attention", action="store_true",
-                           help="layer attention (dense gather vs paged) at 1k-16k contexts also with --quick")
+                           help="layer attention (dense gather vs paged) and a whole-model decode step at 1k-16k "
+                                "contexts, also with --quick")
     attention.add_argument("--no-attention", action="store_true", help="skip the layer-attention case")
     parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     parser.add_argument("--threads", type=int, default=1,
@@ -85,12 +86,15 @@ def main(argv: list[str] | None = None) -> int:
 
         report["layers"] = run_layers(settings, _log)
         print(format_layers(report["layers"]), flush=True)
-    # Six compiles and a 0.5 s dense step at 16k: ~30 s on a 2-core CPU, off in --quick unless asked for.
+    # Six compiles and a 0.5 s dense step at 16k, then six whole-model compiles for the model step: a few
+    # minutes on a 2-core CPU, off in --quick unless asked for.
     if args.attention or not (args.no_attention or args.quick or args.tiny):
-        from benchmarks.bench_attention import format_attention, run_attention
+        from benchmarks.bench_attention import format_attention, format_model_step, run_attention, run_model_step
 
         report["attention"] = run_attention(settings, _log)
         print(format_attention(report["attention"]), flush=True)
+        report["model_step"] = run_model_step(settings, _log)
+        print(format_model_step(report["model_step"]), flush=True)
     report["wall_s"] = time.perf_counter() - started
     harness.save(report, args.json, _log)
     failed = [f"{r['op']}/{c['name']}/{p}" for r in report["ops"] for c in r["cases"]

@@ -1,6 +1,7 @@
-"""Layer attention over the paged KV cache: the dense gather (old) vs ``paged_attention`` (new).
+"""Attention over the paged KV cache: the layer function (dense oracle vs ``paged_attention``) and a whole
+tiny-model decode step (both decoder families, which attend through ``stepops.models.paged_attention``).
 
-One decode step of 64 requests (one token each) at 1k, 4k and 16k-token contexts, with the tiny models'
+**Layer attention** (:func:`run_attention`): one decode step of 64 requests (one token each) at 1k, 4k and 16k-token contexts, with the tiny models'
 head shapes (4 query heads, 2 KV heads of 16 + 16, block size 16, bf16 cache, global attention: the whole
 context is read). Per provider and context:
 
@@ -14,10 +15,24 @@ context is read). Per provider and context:
 
 The dense path gathers ``[T, max_blocks * N, H, D + Dv]`` and upcasts it: its memory grows with the
 context. The new path walks the table in chunks of ``keys_per_chunk`` keys: its memory is one chunk.
+
+**Model step** (:func:`run_model_step`): one decode step of 64 requests (one token each, every request at
+the same context) through the default tiny Step5 (sliding + CSA) and Inkling (sliding + global) models, run
+by ``StepRunner`` eager, compiled (``fullgraph=True``, dynamic ``T``) and, on CUDA, replayed from a CUDA
+graph. ``peak_*_mib``: as above, beyond the caches, weights and step buffers (on CUDA the allocator's peak
+minus what was allocated before). ``kv_read_mib``: what the step must read: each global layer the whole
+context, each sliding layer its window, each CSA layer its ``index_top_k + 1`` regions and every earlier
+region's 256-byte e4m3 summary (the indexer scores them all).
+
+    python -m benchmarks.bench_attention [--model-step-only] [--modes eager compiled cudagraph] [--json PATH]
 """
 
 from __future__ import annotations
 
+import argparse
+import json
+import sys
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -116,3 +131,138 @@ def format_attention(results: dict[str, Any]) -> str:
         lines.append(f"  {name} {key.removeprefix('growth_')}: peak eager x{g['peak_eager']:.2f}, "
                      f"peak compiled x{g['peak_compiled']:.2f}, time per byte x{g['time_per_byte']:.2f}")
     return "\n".join(lines)
+
+
+def _peak_bytes(fn: Callable[[], Any], device: torch.device) -> int:
+    """Peak memory of ``fn()`` beyond what was allocated before it (CPU: allocator events; CUDA: the
+    caching allocator's peak)."""
+    if device.type != "cuda":
+        return peak_transient_bytes(fn)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - before
+
+
+def _kv_read_bytes(model, context: int) -> int:
+    """Bytes a decode step of ``NUM_REQUESTS`` requests at ``context`` tokens must read from the caches."""
+    total = 0
+    for layer in model.layers:
+        cache = layer.attn.kv_cache
+        per_token = cache.shape[2] * cache.shape[3] * cache.element_size()  # K and V of every KV head
+        kind = layer.kind
+        if kind == "csa":
+            regions = context // 8
+            keys = min(context, (model.config.index_top_k + 1) * 8)
+            total += NUM_REQUESTS * regions * layer.summary_cache.shape[1]  # e4m3 summaries, 1 byte each
+        elif kind == "sliding":
+            keys = min(context, model.config.sliding_window)
+        else:
+            keys = context
+        total += NUM_REQUESTS * keys * per_token
+    return total
+
+
+def run_model_step(
+    settings: Settings,
+    log: Callable[[str], None],
+    contexts: tuple[int, ...] = CONTEXTS,
+    modes: tuple[str, ...] | None = None,
+) -> dict[str, Any]:
+    """Peak transient memory and time of one whole-model decode step per model, context and mode."""
+    from stepops.models import InklingConfig, InklingModel, Step5Config, Step5Model
+    from stepops.models.runner import COMPILED, CUDA_GRAPH, EAGER, ScheduledRequest, StepRunner
+
+    device = settings.device
+    if modes is None:
+        modes = (EAGER, COMPILED) + ((CUDA_GRAPH,) if device.type == "cuda" else ())
+    rows = []
+    for name, model_cls, config in (("step5", Step5Model, Step5Config()), ("inkling", InklingModel, InklingConfig())):
+        for context in contexts:
+            gen = torch.Generator().manual_seed(context)
+            batch = [
+                ScheduledRequest(i, context - 1, torch.randn(1, config.hidden_size, generator=gen).to(torch.bfloat16))
+                for i in range(NUM_REQUESTS)
+            ]
+            for mode in modes:
+                torch._dynamo.reset()
+                torch.manual_seed(0)
+                with torch.device(device):
+                    model = model_cls(config)
+                runner = StepRunner(model, max_requests=NUM_REQUESTS, max_model_len=context, max_tokens=NUM_REQUESTS,
+                                    device=device, mode=mode, compile_backend=settings.compile_backend)
+                size = runner.padded_size(runner._fill_buffers(batch))
+                if mode == CUDA_GRAPH:
+                    runner._capture(size)  # only the decode step's size
+                else:
+                    runner._run(size)  # compiles in compiled mode
+                row = {"model": name, "mode": mode, "context": context,
+                       "kv_read_mib": _kv_read_bytes(model, context) / 2**20,
+                       "cache_mib": sum(t.numel() * t.element_size() for t in model.cache_tensors()) / 2**20,
+                       "step_us": median_us(lambda: runner._run(size), settings)}
+                if mode != CUDA_GRAPH:
+                    row["peak_mib"] = _peak_bytes(lambda: runner._run(size), device) / 2**20
+                row["us_per_kv_mib"] = row["step_us"] / row["kv_read_mib"]
+                rows.append(row)
+                log(f"  model_step/{name}/{mode}/ctx{context}: {row['step_us']:.0f} us"
+                    + (f", peak {row['peak_mib']:.1f} MiB" if "peak_mib" in row else ""))
+                del runner, model
+    growth = {}
+    for name in ("step5", "inkling"):
+        for mode in modes:
+            mine = [r for r in rows if r["model"] == name and r["mode"] == mode]
+            first, last = mine[0], mine[-1]
+            g = {"time_per_byte": last["us_per_kv_mib"] / first["us_per_kv_mib"]}
+            if "peak_mib" in first:
+                g["peak"] = last["peak_mib"] / first["peak_mib"]
+            growth[f"{name}/{mode}"] = g
+    return {"requests": NUM_REQUESTS, "rows": rows, f"growth_{contexts[0]}_to_{contexts[-1]}": growth}
+
+
+def format_model_step(results: dict[str, Any]) -> str:
+    lines = [f"whole tiny-model decode step, {results['requests']} requests (peak = transient MiB beyond caches, "
+             "weights and buffers)"]
+    header = ["model", "mode", "context", "cache MiB", "KV read MiB", "peak MiB", "step us", "us/MiB"]
+    table = [header] + [
+        [r["model"], r["mode"], str(r["context"]), f"{r['cache_mib']:.0f}", f"{r['kv_read_mib']:.1f}",
+         f"{r['peak_mib']:.1f}" if "peak_mib" in r else "-", f"{r['step_us']:.0f}", f"{r['us_per_kv_mib']:.1f}"]
+        for r in results["rows"]
+    ]
+    widths = [max(len(row[i]) for row in table) for i in range(len(header))]
+    lines += ["  " + "  ".join(v.rjust(w) for v, w in zip(row, widths)) for row in table]
+    key = next(k for k in results if k.startswith("growth_"))
+    for name, g in results[key].items():
+        peak = f"peak x{g['peak']:.2f}, " if "peak" in g else ""
+        lines.append(f"  {name} {key.removeprefix('growth_')}: {peak}time per byte x{g['time_per_byte']:.2f}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The layer-attention and model-step cases on their own (``benchmarks/gpu_check.sh`` runs this)."""
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.bench_attention", description=__doc__.split("\n")[0])
+    parser.add_argument("--model-step-only", action="store_true", help="skip the layer-attention case")
+    parser.add_argument("--modes", nargs="+", choices=("eager", "compiled", "cudagraph"), default=None,
+                        help="model-step modes (default: eager, compiled, and cudagraph on CUDA)")
+    parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+    parser.add_argument("--threads", type=int, default=1, help="CPU threads")
+    parser.add_argument("--json", type=Path, default=None, help="write the results to PATH")
+    args = parser.parse_args(argv)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    torch.set_num_threads(args.threads)
+    settings = Settings(device=device, quick=False)
+    log = lambda message: print(message, file=sys.stderr, flush=True)  # noqa: E731
+    report: dict[str, Any] = {}
+    if not args.model_step_only:
+        report["attention"] = run_attention(settings, log)
+        print(format_attention(report["attention"]), flush=True)
+    report["model_step"] = run_model_step(settings, log, modes=tuple(args.modes) if args.modes else None)
+    print(format_model_step(report["model_step"]), flush=True)
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
