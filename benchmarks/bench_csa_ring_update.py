@@ -11,7 +11,7 @@ import torch
 
 from benchmarks.harness import Case, Workload
 from benchmarks.steps import generator as case_generator, standard_cases
-from stepops._meta.csa_ring_update import REGION_SIZE
+from stepops.layouts import REGION_SIZE
 from stepops.ops.csa_ring_update.reference import csa_ring_update_reference
 from stepops.ops.csa_ring_update.samples import make_step
 from stepops.testing import TOLERANCES

@@ -20,14 +20,15 @@ from dataclasses import dataclass
 
 import torch
 
-from stepops.specs import _check_int
+from stepops.specs import check_int
 
 # One [index_k | index_z] bf16 row: (proxy_dim 256 + pooling logits 256) * 2 bytes.
 ROW_BYTES = 1024
 
-# Rows of the open region a step may still replay: a region has 8 tokens, and the token that closes it
-# replays the other 7.
-_REPLAY_ROWS = 7
+# A CSA region is 8 consecutive positions; the token that closes it replays the 7 before it, so a step may
+# still read up to REPLAY_ROWS rows of the open region from before the step (the ring needs 7 + k rows).
+REGION_SIZE = 8
+REPLAY_ROWS = REGION_SIZE - 1
 
 _BF16_BYTES = torch.bfloat16.itemsize
 
@@ -66,10 +67,10 @@ class CSATailRingLayout:
     row_bytes: int = ROW_BYTES
 
     def __post_init__(self) -> None:
-        _check_int("page_bytes", self.page_bytes, 1)
-        _check_int("block_size", self.block_size, 1)
-        _check_int("num_speculative_tokens", self.num_speculative_tokens, 0)
-        _check_int("row_bytes", self.row_bytes, 1)
+        check_int("page_bytes", self.page_bytes, 1)
+        check_int("block_size", self.block_size, 1)
+        check_int("num_speculative_tokens", self.num_speculative_tokens, 0)
+        check_int("row_bytes", self.row_bytes, 1)
         if self.row_bytes % _BF16_BYTES:
             raise ValueError(f"row_bytes must be a whole number of bf16 elements, got {self.row_bytes}")
         if self.page_bytes // self.row_bytes < self.required_rows:
@@ -95,7 +96,7 @@ class CSATailRingLayout:
     @property
     def required_rows(self) -> int:
         """Rows the ring must hold: 7 replayed rows of the open region + k speculative tokens."""
-        return _REPLAY_ROWS + self.num_speculative_tokens
+        return REPLAY_ROWS + self.num_speculative_tokens
 
     @property
     def capacity(self) -> int:
@@ -208,7 +209,7 @@ class BoundCSATailRing:
                 if value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool:
                     raise TypeError(f"{name} must be an integer tensor, got {value.dtype}")
             else:
-                _check_int(name, value, 0)
+                check_int(name, value, 0)
         if not isinstance(block, torch.Tensor):
             self._check_block(block)
         offset = position.remainder(self.capacity) if isinstance(position, torch.Tensor) else position % self.capacity
@@ -216,7 +217,7 @@ class BoundCSATailRing:
 
     def block_rows(self, block: int) -> torch.Tensor:
         """``[capacity, row_elements]`` view of ``block``'s ring (row ``p % capacity`` holds position p)."""
-        _check_int("block", block, 0)
+        check_int("block", block, 0)
         self._check_block(block)
         start = block * self.rows_per_block
         return self.rows[start : start + self.capacity]
@@ -235,8 +236,8 @@ def smallest_block_size(
     to 4096) and returns the first for which :class:`CSATailRingLayout` accepts the page. Raises
     ``ValueError`` when none does (e.g. a per-token size that never fills whole rows).
     """
-    _check_int("bytes_per_token", bytes_per_token, 1)
-    _check_int("num_speculative_tokens", num_speculative_tokens, 0)
+    check_int("bytes_per_token", bytes_per_token, 1)
+    check_int("num_speculative_tokens", num_speculative_tokens, 0)
     for block_size in sorted(candidates):
         try:
             CSATailRingLayout(
@@ -250,7 +251,7 @@ def smallest_block_size(
         return block_size
     raise ValueError(
         f"no candidate block size gives a page of whole {row_bytes}-byte rows holding "
-        f"{_REPLAY_ROWS + num_speculative_tokens} rows at {bytes_per_token} bytes per token"
+        f"{REPLAY_ROWS + num_speculative_tokens} rows at {bytes_per_token} bytes per token"
     )
 
 
@@ -290,7 +291,7 @@ class InklingConvStateLayout:
 
     def __post_init__(self) -> None:
         for name in ("num_kv_heads", "head_dim", "hidden_size", "kernel_size", "tp_size"):
-            _check_int(name, getattr(self, name), 1)
+            check_int(name, getattr(self, name), 1)
         if self.tp_size > self.num_kv_heads:
             raise ValueError(
                 f"sconv SWA cache supports tp_size <= num_kv_heads ({self.num_kv_heads}), got {self.tp_size}"
@@ -355,7 +356,7 @@ class InklingConvStateLayout:
     def _block_size(self, block_size: int | None) -> int:
         if block_size is None:
             return self.kernel_size
-        _check_int("block_size", block_size, 1)
+        check_int("block_size", block_size, 1)
         if block_size < self.kernel_size:
             raise ValueError(
                 f"sconv SWA cache block size {block_size} is smaller than the kernel size {self.kernel_size}"
@@ -364,7 +365,7 @@ class InklingConvStateLayout:
 
     def cache_shape(self, num_blocks: int, block_size: int | None = None) -> tuple[int, int, int, int]:
         """HND cache shape ``[num_blocks, H, N, D]``; ``N`` defaults to ``kernel_size``."""
-        _check_int("num_blocks", num_blocks, 1)
+        check_int("num_blocks", num_blocks, 1)
         return (num_blocks, self.local_num_kv_heads, self._block_size(block_size), self.head_size)
 
     def page_bytes(self, block_size: int | None = None) -> int:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 
-def _check_int(name: str, value: object, minimum: int) -> None:
+def check_int(name: str, value: object, minimum: int) -> None:
     """The package's one size check (also used by :mod:`stepops.layouts` and the owners): ``TypeError``
     unless ``value`` is an int, ``ValueError`` below ``minimum``."""
     # bool is an int subclass; a flag passed as a size is a caller bug, not 0 or 1.
@@ -45,13 +45,13 @@ class AttentionSpec:
     head_size_v: int | None = None
 
     def __post_init__(self) -> None:
-        _check_int("block_size", self.block_size, 1)
-        _check_int("num_kv_heads", self.num_kv_heads, 1)
-        _check_int("head_size", self.head_size, 1)
+        check_int("block_size", self.block_size, 1)
+        check_int("num_kv_heads", self.num_kv_heads, 1)
+        check_int("head_size", self.head_size, 1)
         if self.head_size_v is None:
             # Frozen dataclass: the default is resolved once, here.
             object.__setattr__(self, "head_size_v", self.head_size)
-        _check_int("head_size_v", self.head_size_v, 0)
+        check_int("head_size_v", self.head_size_v, 0)
         if not isinstance(self.dtype, torch.dtype):
             raise TypeError(f"dtype must be a torch.dtype, got {type(self.dtype).__name__}")
 
@@ -81,7 +81,7 @@ class SlidingWindowSpec(AttentionSpec):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        _check_int("sliding_window", self.sliding_window, 1)
+        check_int("sliding_window", self.sliding_window, 1)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -96,4 +96,4 @@ class CircularBufferSpec(AttentionSpec):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        _check_int("block_stride_alignment", self.block_stride_alignment, 1)
+        check_int("block_stride_alignment", self.block_stride_alignment, 1)

@@ -22,7 +22,7 @@ import triton
 from expecttest import TestCase
 
 from stepops._library import registered_ops
-from stepops.testing.gpu_build import _ALLOW_SPILL, KernelBuild, LoadChains, load_chains, unsupported_reason
+from stepops.testing.gpu_build import ALLOW_SPILL, KernelBuild, LoadChains, load_chains, unsupported_reason
 
 ROOT = Path(__file__).resolve().parent.parent
 SNAPSHOT_TRITON_VERSION = "3.9.0"
@@ -204,9 +204,9 @@ sconv            decode_r64   _sconv_kernel            KERNEL_SIZE=4 RESIDUAL=Tr
         self.assertEqual(len(_build(local_bytes=16).problems), 1)
         self.assertEqual(len(_build(stack=8).problems), 1)
         self.assertEqual(_build(local_bytes=16, spill_allowed=True).problems, [])
-        match = _ALLOW_SPILL.search("    # gpu-build: allow-spill _k: the W=64 taps do not fit registers")
+        match = ALLOW_SPILL.search("    # gpu-build: allow-spill _k: the W=64 taps do not fit registers")
         self.assertEqual(match.group(1), "_k")
-        self.assertIsNone(_ALLOW_SPILL.search("# gpu-build: allow-spill _k:"))  # a reason is required
+        self.assertIsNone(ALLOW_SPILL.search("# gpu-build: allow-spill _k:"))  # a reason is required
 
     def test_occupancy_follows_the_sm90_limits(self):
         # 32 regs x 4 warps: registers allow 16 blocks, the 64-warp limit caps it: full occupancy.

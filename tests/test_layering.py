@@ -2,8 +2,8 @@
 
 No model, op or lower module imports ``stepops.testing`` (test support builds on them, not the reverse) or
 an op's naive ``reference`` (test support too: it may need numpy); the only other importer of both is
-``stepops.demo``, which sits on top with the CLI because checking against the recompute is its job. And the
-module-level imports form no circle.
+``stepops.demo``, which sits on top with the CLI because checking against the recompute is its job. The
+module-level imports form no circle, and no module of stepops or benchmarks imports another's private name.
 """
 
 from __future__ import annotations
@@ -55,6 +55,19 @@ def _is_test_support(module: str) -> bool:
 @pytest.mark.parametrize("name", sorted(n for n in MODULES if not _is_test_support(n) and n != "stepops.demo"))
 def test_no_library_module_imports_test_support(name):
     assert not {m for m in _imports(name, module_level=False) if _is_test_support(m)}, name
+
+
+@pytest.mark.parametrize("path", sorted([*PACKAGE.rglob("*.py"), *(ROOT / "benchmarks").glob("*.py")]), ids=str)
+def test_no_private_name_is_imported_from_another_module(path):
+    tree = ast.parse(path.read_text(), str(path))
+    private = [
+        f"{node.module}.{alias.name}"
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ImportFrom)
+        for alias in node.names
+        if alias.name.startswith("_") and alias.name != "__future__" and node.module != "__future__"
+    ]
+    assert not private, f"{path.relative_to(ROOT)} imports {private}"
 
 
 def test_module_level_imports_form_no_circle():

@@ -10,17 +10,7 @@ from __future__ import annotations
 import torch
 
 from stepops._meta.errors import check_errors_arg
-
-# A region is 8 consecutive positions; the token that closes it replays the 7 before it.
-REGION_SIZE = 8
-# The op reads up to REGION_SIZE - 1 rows from before the step, so a ring must hold at least that many.
-# (The layout's stricter rule, capacity >= 7 + k, also keeps those rows safe from the previous verify
-# step's rejected drafts; the op cannot know k.)
-MIN_CAPACITY = REGION_SIZE - 1
-
-# The largest finite float8_e4m3fn value, 448 = 1.75 * 2**8: fp8 summaries saturate to it (e4m3fn has no
-# infinity). A plain float so the CPU path needs no Triton; triton_rounding wraps it for the kernels.
-FP8_E4M3_MAX = 448.0
+from stepops.layouts import REGION_SIZE, REPLAY_ROWS  # noqa: F401  (REGION_SIZE: stepops.models reads it here)
 
 # uint8 means float8_e4m3fn codes: the wrapper passes fp8 caches as uint8 views because torch cannot
 # compare float8 tensors on CPU (allclose/equal are not implemented), which opcheck's test_schema needs.
@@ -75,9 +65,11 @@ def check_csa_ring_update_args(
         )
     if isinstance(capacity, bool) or not isinstance(capacity, (int, torch.SymInt)):
         raise TypeError(f"csa_ring_update: capacity must be an int, got {type(capacity).__name__}")
-    if capacity < MIN_CAPACITY:
+    # The op reads up to REPLAY_ROWS rows from before the step. The layout's stricter rule, 7 + k, also keeps
+    # them safe from the previous verify step's rejected drafts; the op cannot know k.
+    if capacity < REPLAY_ROWS:
         raise ValueError(
-            f"csa_ring_update: capacity {capacity} < {MIN_CAPACITY}: a ring must hold the {MIN_CAPACITY} rows "
+            f"csa_ring_update: capacity {capacity} < {REPLAY_ROWS}: a ring must hold the {REPLAY_ROWS} rows "
             "before a step that a closing token replays (the layout needs 7 + k)"
         )
     if ring.shape[0] < capacity:

@@ -6,13 +6,12 @@ PyTorch's bits on a GPU and under the interpreter alike, so kernels can be compa
 machine; in memory-bound kernels the few integer ops cost nothing measurable.
 """
 
+import torch
 import triton
 import triton.language as tl
 
-from stepops._meta import csa_ring_update as _csa_meta
-
 # The largest finite float8_e4m3fn value (448); codes saturate to it.
-FP8_E4M3_MAX = tl.constexpr(_csa_meta.FP8_E4M3_MAX)
+FP8_E4M3_MAX = tl.constexpr(torch.finfo(torch.float8_e4m3fn).max)
 # e4m3fn's only NaN encoding (exponent and mantissa all ones) without its sign bit.
 _FP8_E4M3_NAN_CODE = tl.constexpr(0x7F)
 # Smallest normal float8_e4m3fn, 2**-6; below it the code counts subnormal steps of 2**-9.

@@ -13,10 +13,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from stepops.layouts import ROW_BYTES, CSATailRingLayout
+from stepops.layouts import REPLAY_ROWS, ROW_BYTES, CSATailRingLayout
 from stepops.ops.csa_ring_update import CSARingMetadata, build_csa_ring_metadata, csa_ring_update
 from stepops.owners._context import BlockStridedBackend, register_layer
-from stepops.specs import AttentionSpec, CircularBufferSpec, _check_int
+from stepops.specs import AttentionSpec, CircularBufferSpec, check_int
 
 
 class Step5CSATailRingMetadataBuilder:
@@ -95,13 +95,13 @@ class Step5CSATailRing(nn.Module):
     ) -> None:
         super().__init__()
         # Checked before registering, by the check CSATailRingLayout runs later (one implementation, same text).
-        _check_int("num_speculative_tokens", num_speculative_tokens, 0)
+        check_int("num_speculative_tokens", num_speculative_tokens, 0)
         register_layer(prefix, self, static_forward_context)
         self._static_forward_context = static_forward_context
         self.layer_name = prefix
         self.main_layer_name = main_layer_name
         self.num_speculative_tokens = num_speculative_tokens
-        self.required_rows = 7 + num_speculative_tokens
+        self.required_rows = REPLAY_ROWS + num_speculative_tokens
         self.kv_cache = torch.tensor([])
         self.rows = self.kv_cache
         self.capacity = 0

@@ -47,7 +47,7 @@ _SM90_MAX_BLOCKS = 32
 _SM90_SHARED_BYTES = 228 * 1024
 _REG_ALLOC_UNIT = 256  # registers are allocated per warp in units of 256
 
-_ALLOW_SPILL = re.compile(r"#\s*gpu-build:\s*allow-spill\s+(\w+):\s*\S")
+ALLOW_SPILL = re.compile(r"#\s*gpu-build:\s*allow-spill\s+(\w+):\s*\S")
 
 
 @dataclass(frozen=True)
@@ -379,7 +379,7 @@ def _compile(launch: _Launch, target_name: str, capability: int) -> KernelBuild:
                               text=True).stdout
     resources = dict(re.findall(r"\b(REG|STACK|SHARED|LOCAL):(\d+)", usage))
     chains = load_chains(sass)
-    allowed = {m.group(1) for m in _ALLOW_SPILL.finditer(inspect.getsource(launch.launcher))}
+    allowed = {m.group(1) for m in ALLOW_SPILL.finditer(inspect.getsource(launch.launcher))}
     return KernelBuild(
         op=launch.op,
         kernel=fn.__name__,

@@ -23,7 +23,7 @@ import triton.language as tl
 from stepops.ops.csa_ring_update import CSARingMetadata, build_csa_ring_metadata, csa_ring_update
 from stepops.ops.csa_ring_update.reference import csa_ring_update_reference, fold, region_summary
 from stepops.ops.csa_ring_update.samples import SUMMARY_BLOCK_SIZE, make_step
-from stepops.ops.csa_ring_update.triton_kernel import _fold_step, csa_ring_update_triton
+from stepops.ops.csa_ring_update.triton_kernel import fold_step, csa_ring_update_triton
 from stepops.testing import TOLERANCES, op_samples
 
 _SAMPLES = list(op_samples(op_name="csa_ring_update"))
@@ -350,7 +350,7 @@ def test_docs_example_runs():
 
 @triton.jit
 def _fold_rows(k_ptr, z_ptr, out_ptr, n, BLOCK: tl.constexpr):
-    """The Triton kernel's fold of 8 ``[n]`` fp32 rows with its own ``_fold_step``, stored in fp32 (no
+    """The Triton kernel's fold of 8 ``[n]`` fp32 rows with its own ``fold_step``, stored in fp32 (no
     rounding to bf16): rows 0..7 in order, then ``div_rn(a, s)`` as the kernel divides."""
     d = tl.arange(0, BLOCK)
     mask = d < n
@@ -360,15 +360,15 @@ def _fold_rows(k_ptr, z_ptr, out_ptr, n, BLOCK: tl.constexpr):
     for j in tl.static_range(1, 8):
         z = tl.load(z_ptr + j * n + d, mask=mask, other=0.0)
         k = tl.load(k_ptr + j * n + d, mask=mask, other=0.0)
-        m, s, a = _fold_step(m, s, a, z, k)
+        m, s, a = fold_step(m, s, a, z, k)
     tl.store(out_ptr + d, tl.math.div_rn(a, s), mask=mask)
 
 
 @pytest.mark.parametrize("z_scale", [1.0, 30.0])
-def test_triton_fold_step_is_the_documented_fold_bitwise_in_fp32(z_scale):
+def test_tritonfold_step_is_the_documented_fold_bitwise_in_fp32(z_scale):
     """The Triton kernel's fold step, in fp32 before the bf16/fp8 rounding that hides an ulp, against the
     documented two-exp fold in numpy (``reference.fold``): equal bits, ties and underflow
-    included. A changed order, an fp32 library exp or a fused multiply-add in ``_fold_step`` fails here."""
+    included. A changed order, an fp32 library exp or a fused multiply-add in ``fold_step`` fails here."""
     if triton_device().type != "cpu":
         pytest.skip("the interpreter's numpy arithmetic is the reference's; a GPU's exp path is checked by the GPU tests")
     generator = torch.Generator().manual_seed(5)

@@ -20,7 +20,7 @@ from stepops.ops.sconv import SconvMetadata, build_sconv_metadata, sconv
 from stepops.ops.sconv.reference import sconv_reference
 from stepops.ops.sconv.samples import SAMPLE_LAYOUT, random_block_table, sample_cache, step_metadata
 from stepops.ops.sconv.torch_kernel import silu_fp32
-from stepops.ops.sconv.triton_kernel import _silu, sconv_triton
+from stepops.ops.sconv.triton_kernel import sconv_triton, silu_fp32 as triton_silu_fp32
 from stepops.testing import TOLERANCES, op_samples
 
 _SAMPLES = list(op_samples(op_name="sconv"))
@@ -380,11 +380,11 @@ def test_silu_of_the_torch_kernel_is_the_documented_formula_bitwise_in_fp32():
 @triton.jit
 def _apply_silu(a_ptr, out_ptr, n, BLOCK: tl.constexpr):
     i = tl.arange(0, BLOCK)
-    tl.store(out_ptr + i, _silu(tl.load(a_ptr + i, mask=i < n)), mask=i < n)
+    tl.store(out_ptr + i, triton_silu_fp32(tl.load(a_ptr + i, mask=i < n)), mask=i < n)
 
 
 def test_silu_of_the_triton_kernel_is_the_documented_formula_bitwise_in_fp32():
-    """The Triton kernel's ``_silu`` under the interpreter (numpy's ``exp``) against the same formula in
+    """The Triton kernel's ``silu_fp32`` under the interpreter (numpy's ``exp``) against the same formula in
     numpy fp32: equal bits; ``a * sigmoid(a)`` would not be."""
     if triton_device().type != "cpu":
         pytest.skip("runs the interpreter's numpy exp; on a GPU the exp is the device's")

@@ -13,7 +13,7 @@ from stepops.ops.bounds import check_ids
 from stepops.ops.csa_ring_update.metadata import CSARingMetadata, build_csa_ring_metadata
 from stepops.ops.csa_ring_update.samples import error_inputs as csa_ring_update_error_inputs
 from stepops.ops.csa_ring_update.samples import samples as csa_ring_update_samples
-from stepops.ops.csa_ring_update.torch_kernel import csa_ring_update as csa_ring_update_torch
+from stepops.ops.csa_ring_update.torch_kernel import csa_ring_update_torch
 
 __all__ = ["CSARingMetadata", "build_csa_ring_metadata", "csa_ring_update", "validate_csa_ring_update_inputs"]
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from stepops._meta.csa_ring_update import FP8_E4M3_MAX, REGION_SIZE
+from stepops.layouts import REGION_SIZE
 
 _F = np.float32
 # Cephes expf (S. L. Moshier): C1 + C2 = ln 2, C1 with 9 significant bits; P(r) highest degree first.
@@ -57,7 +57,8 @@ def region_summary(k_rows: torch.Tensor, z_rows: torch.Tensor, dtype: torch.dtyp
     summary = torch.from_numpy(fold(k_rows.float().cpu().numpy(), z_rows.float().cpu().numpy())).to(torch.bfloat16)
     if dtype == torch.bfloat16:
         return summary
-    return summary.clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+    fp8_max = torch.finfo(torch.float8_e4m3fn).max
+    return summary.clamp(-fp8_max, fp8_max).to(torch.float8_e4m3fn)
 
 
 def csa_ring_update_reference(

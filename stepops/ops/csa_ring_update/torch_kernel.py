@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from stepops._meta.csa_ring_update import FP8_E4M3_MAX, REGION_SIZE, check_csa_ring_update_args
+from stepops._meta.csa_ring_update import check_csa_ring_update_args
+from stepops.layouts import REGION_SIZE
 from stepops.ops.bounds import check_ids
 
 # exp_fp32's constants, each exactly an fp32 value (written in hex), so that every implementation uses the
@@ -90,7 +91,8 @@ def to_summary_dtype(summary: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     rounded = summary.to(torch.bfloat16)
     if dtype == torch.bfloat16:
         return rounded
-    return rounded.clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+    fp8_max = torch.finfo(torch.float8_e4m3fn).max
+    return rounded.clamp(-fp8_max, fp8_max).to(torch.float8_e4m3fn)
 
 
 def store_summaries(summary_cache: torch.Tensor, slot: torch.Tensor, summary: torch.Tensor) -> None:
@@ -102,7 +104,7 @@ def store_summaries(summary_cache: torch.Tensor, slot: torch.Tensor, summary: to
         summary_cache.view(torch.uint8)[slot] = to_summary_dtype(summary, torch.float8_e4m3fn).view(torch.uint8)
 
 
-def csa_ring_update(
+def csa_ring_update_torch(
     index_k: torch.Tensor,
     index_z: torch.Tensor,
     ring: torch.Tensor,

@@ -34,13 +34,14 @@ import torch
 import triton
 import triton.language as tl
 
+from stepops import layouts
 from stepops._meta import csa_ring_update as _meta
 from stepops.ops.csa_ring_update import torch_kernel as _spec
 from stepops.ops.triton_bounds import bad_id, count_error, in_extent
 from stepops.ops.triton_rounding import fp8_e4m3_code, round_fp32_to_bf16
 
 # Positions per CSA region (the closing token replays the REGION_SIZE - 1 before it).
-REGION_SIZE = tl.constexpr(_meta.REGION_SIZE)
+REGION_SIZE = tl.constexpr(layouts.REGION_SIZE)
 # exp_fp32's constants: the PyTorch kernel's, exactly fp32 values (see torch_kernel.py).
 EXP_LOG2E = tl.constexpr(_spec.EXP_LOG2E)
 EXP_LN2_HI = tl.constexpr(_spec.EXP_LN2_HI)
@@ -124,7 +125,7 @@ def _load_region_row(
 
 
 @triton.jit
-def _fold_step(m, s, a, z, k):
+def fold_step(m, s, a, z, k):
     """One online-softmax step (torch_kernel.fold_region): the state rescales by ``e`` if ``z`` is the new
     maximum, else the row weighs ``e``; the other factor is exactly 1."""
     m_new = tl.maximum(m, z)
@@ -261,7 +262,7 @@ def _csa_ring_update_kernel(
             a = k.to(tl.float32)
             for j in tl.static_range(1, REGION_SIZE):
                 z, k = rows[j]
-                m, s, a = _fold_step(m, s, a, z.to(tl.float32), k.to(tl.float32))
+                m, s, a = fold_step(m, s, a, z.to(tl.float32), k.to(tl.float32))
             summary = round_fp32_to_bf16(tl.math.div_rn(a, s))
             summary_offsets = slot.to(tl.int64) * stride_summary0 + d * stride_summary1
             if FP8_SUMMARY:

@@ -20,7 +20,7 @@ from stepops.ops.bounds import check_ids
 
 def silu_fp32(a: torch.Tensor) -> torch.Tensor:
     """``a / (1 + exp(-a))`` in fp32: one rounded ``exp``, add and IEEE division (not ``a * sigmoid(a)``,
-    whose extra rounding changes fp32 bits); the Triton kernel's ``_silu`` is the same formula."""
+    whose extra rounding changes fp32 bits); the Triton kernel's ``silu_fp32`` is the same formula."""
     return a / (1.0 + torch.exp(-a))
 
 

@@ -42,7 +42,7 @@ _MAX_NUM_WARPS = 4
 
 
 @triton.jit
-def _silu(a):
+def silu_fp32(a):
     """``a / (1 + exp(-a))`` in fp32, as ``silu_fp32`` of the PyTorch kernel. ``div_rn``: IEEE division on
     the GPU too (plain fp32 ``/`` lowers to an approximate divide there)."""
     return tl.math.div_rn(a, 1.0 + tl.exp(-a))
@@ -150,7 +150,7 @@ def _sconv_kernel(
         acc = acc + w.to(tl.float32) * tap
 
     if SILU:
-        acc = _silu(acc)
+        acc = silu_fp32(acc)
     # A padding token's taps and residual are all masked to 0, so its row of y is 0 (silu(0) = 0 too).
     x_own = tl.load(x_ptr + token * stride_x_token + x_channel, mask=channel_mask & is_real, other=0.0)
     if RESIDUAL:
