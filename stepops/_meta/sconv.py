@@ -2,7 +2,7 @@
 
 Everything here reads sizes, dtypes and devices only, never data, so it runs at trace time on fake tensors
 and on the CUDA path without a host sync. Checks that need the data (block ids, slots) live in
-``stepops.ops.sconv.validate_sconv_inputs`` and run only with ``validate=True``.
+``stepops.ops.sconv.validate.validate_sconv_inputs`` and run only with ``validate=True``.
 """
 
 from __future__ import annotations

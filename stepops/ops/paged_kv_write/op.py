@@ -1,19 +1,15 @@
-"""``stepops::paged_kv_write``: store each token's key and value rows at its slot of a paged KV cache.
-
-The attention layers of both models write their new keys and values through this op before reading the
-cache; see :func:`stepops.ops.paged_kv_write.torch_kernel.paged_kv_write_torch` for the semantics.
-"""
+"""``stepops::paged_kv_write``: its declaration (schema, kernels, fake, samples) and the public wrapper."""
 
 from __future__ import annotations
 
 import torch
 
 from stepops._library import declare_op
-from stepops._meta.paged_kv_write import check_paged_kv_write_args, paged_kv_write_fake
+from stepops._meta.paged_kv_write import paged_kv_write_fake
 from stepops._triton import triton_launcher
-from stepops.ops.bounds import check_ids
 from stepops.ops.paged_kv_write.samples import paged_kv_write_error_inputs, paged_kv_write_samples
 from stepops.ops.paged_kv_write.torch_kernel import paged_kv_write_torch
+from stepops.ops.paged_kv_write.validate import validate_paged_kv_write_inputs
 
 declare_op(
     "paged_kv_write",
@@ -50,23 +46,3 @@ def paged_kv_write(
     if validate:
         validate_paged_kv_write_inputs(key, value, key_cache, value_cache, slot_mapping)
     torch.ops.stepops.paged_kv_write(key, value, key_cache, value_cache, slot_mapping, errors)
-
-
-@torch.compiler.disable
-def validate_paged_kv_write_inputs(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-) -> None:
-    """Host-side data checks of a paged_kv_write call; ``ValueError``. Syncs, so it runs outside any graph."""
-    check_paged_kv_write_args(key, value, key_cache, value_cache, slot_mapping)
-    slots = slot_mapping.to(torch.int64).cpu()
-    check_ids("paged_kv_write", "slot_mapping", slots, key_cache.shape[0] * key_cache.shape[1])
-    real = slots[slots >= 0]
-    if real.unique().numel() != real.numel():
-        raise ValueError("paged_kv_write: slot_mapping gives two tokens of one call the same slot; slots must be distinct")
-
-
-__all__ = ["paged_kv_write", "validate_paged_kv_write_inputs"]
