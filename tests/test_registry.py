@@ -1,5 +1,5 @@
 """Every stepops op is complete: a fake, a CPU kernel, a CUDA kernel, samples, error inputs, a naive
-reference; schemas are snapshotted."""
+reference, a wrapper documented in the common shape; schemas are snapshotted."""
 
 import importlib
 import inspect
@@ -36,6 +36,9 @@ def test_every_op_has_fake_kernels_and_samples():
         reference = getattr(importlib.import_module(f"stepops.ops.{entry.name}.reference"), f"{entry.name}_reference")
         schema_args = [a.name for a in entry.overload._schema.arguments if a.name != "errors"]
         assert list(inspect.signature(reference).parameters) == schema_args, f"{qualname}: reference's arguments"
+        wrapper = getattr(importlib.import_module(f"stepops.ops.{entry.name}"), entry.name)
+        sections = ("Shapes and dtypes:", "Writes:", "Returns:", "Example")
+        assert all(s in wrapper.__doc__ for s in sections), f"{qualname}: the wrapper's docstring lacks {sections}"
 
 
 class TestSchemas(TestCase):

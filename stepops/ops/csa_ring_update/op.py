@@ -39,29 +39,36 @@ def csa_ring_update(
 ) -> None:
     """Store a step's ``[index_k | index_z]`` rows in the requests' rings and write closed regions' summaries.
 
-    Args:
-        index_k, index_z: ``[T, P]`` bf16, the step's flattened tokens (requests contiguous, padding last).
-        ring: ``[num_rows, 2P]`` bf16, written in place: the rows view of the ring cache (request ``r``'s
-            ring is rows ``[ring_base, ring_base + capacity)``; e.g. ``BoundCSATailRing.rows``).
-        summary_cache: ``[num_slots, P]`` bf16 or float8_e4m3fn (uint8 holding e4m3fn codes is accepted
-            too; fp8 caches reach the op as such a uint8 view), written in place at the closing tokens'
-            slots. fp8 summaries are the bf16 summary clamped to ``[-448, 448]`` then cast (round to
-            nearest even): a summary beyond the e4m3fn range saturates instead of becoming NaN.
-        metadata: from :func:`build_csa_ring_metadata`; fixed-size ``[T]`` int32, ``-1`` for padding.
-        capacity: rows per request ring, ``>= 7`` (the layout guarantees ``>= 7 + k``).
-        errors: optional int32 ``[1]`` device counter (``stepops.error_counter()``): on CUDA,
-            tokens whose chunk, ring or summary slot is out of range read and write nothing and are
-            counted there, read by the caller after the step; on CPU the op raises ``ValueError`` instead,
-            before writing anything.
-        validate: run :func:`validate_csa_ring_update_inputs` on the host first (chunks, disjoint rings,
-            rows and slots in range). Syncs; for debugging only.
+    Shapes and dtypes:
+        ``index_k``, ``index_z`` ``[T, P]`` bf16, the step's flattened tokens (requests contiguous, padding
+        last); ``ring`` ``[num_rows, 2P]`` bf16, the rows view of the ring cache (request ``r``'s ring is
+        rows ``[ring_base, ring_base + capacity)``; e.g. ``BoundCSATailRing.rows``); ``summary_cache``
+        ``[num_slots, P]`` bf16 or float8_e4m3fn (uint8 holding e4m3fn codes is accepted too; fp8 caches
+        reach the op as such a uint8 view); ``metadata`` from :func:`build_csa_ring_metadata` (five
+        ``[T]`` int32, -1 for padding); ``capacity`` int, rows per request ring, ``>= 7`` (the layout
+        guarantees ``>= 7 + k``); ``errors`` optional int32 ``[1]`` (``stepops.error_counter()``).
+    Writes:
+        ``ring`` in place: position ``p`` of a request lives at row ``ring_base + p % capacity``; only the
+        last ``capacity`` tokens of a request in a step are stored. ``summary_cache`` in place: a token
+        with ``p % 8 == 7`` and a slot writes the summary of positions ``p-7..p``, per dimension
+        ``sum_t softmax(z)_t k_t``, folded in that fixed order in fp32 (see
+        ``stepops.ops.csa_ring_update.torch_kernel.fold_region``), so the bits do not depend on how the
+        sequence was split into steps; fp8 summaries are the bf16 summary clamped to ``[-448, 448]`` then
+        cast (round to nearest even), so they saturate instead of becoming NaN. All replays read the ring
+        before the step's stores land. On CUDA, ``errors`` counts tokens whose chunk, ring or summary slot
+        is out of range (they read and write nothing); on CPU the op raises ``ValueError`` instead, before
+        writing anything.
+    Returns:
+        ``None``. One launch; CUDA-graph safe when ``validate`` is off.
 
-    Position ``p`` of a request lives at ring row ``ring_base + p % capacity``; only the last ``capacity``
-    tokens of a request in a step are stored. A token with ``p % 8 == 7`` and a slot writes the summary of
-    positions ``p-7..p``: per dimension ``sum_t softmax(z)_t k_t``, folded in that fixed order in fp32
-    (see ``stepops.ops.csa_ring_update.torch_kernel.fold_region``), so the bits do not depend on how the
-    sequence was split into steps. All replays read the ring before the step's stores land. One launch;
-    CUDA-graph safe when ``validate`` is off.
+    ``validate=True`` first runs :func:`validate_csa_ring_update_inputs` on the host (chunks, disjoint
+    rings, rows and slots in range). Syncs; for debugging only.
+
+    Example (the full one is in ``docs/ops.md``)::
+
+        metadata = build_csa_ring_metadata(query_start_loc, seq_lens, ring_blocks, rows_per_block,
+                                           summary_block_table, summary_block_size, num_tokens)
+        csa_ring_update(index_k, index_z, ring.rows, summary_cache, metadata, ring.capacity)
     """
     if validate:
         validate_csa_ring_update_inputs(index_k, index_z, ring, summary_cache, metadata, capacity)

@@ -34,14 +34,29 @@ def paged_kv_write(
     errors: torch.Tensor | None = None,
     validate: bool = False,
 ) -> None:
-    """Write ``key [T, H, D]`` and ``value [T, H, Dv]`` to ``key_cache``/``value_cache [num_blocks, N, H, *]``.
+    """Write each token's key and value rows at its slot of a paged NHD KV cache.
 
-    Token ``t`` goes to block ``slot_mapping[t] // N``, offset ``slot_mapping[t] % N``; slot ``-1`` (padding)
-    writes nothing. A slot outside the cache never writes: on CPU the op raises ``ValueError`` before
-    writing anything; on CUDA the token writes nothing and is counted in ``errors`` (an int32 ``[1]``
-    device counter, ``stepops.error_counter()``, read after the step). ``validate=True`` also checks on the
-    host (a sync) that every slot is ``-1`` or inside the cache and that no two tokens share a slot; leave
-    it off in compiled and captured code.
+    Shapes and dtypes:
+        ``key`` ``[T, H, D]`` and ``value`` ``[T, H, Dv]`` bf16; ``key_cache`` ``[num_blocks, N, H, D]`` and
+        ``value_cache`` ``[num_blocks, N, H, Dv]`` bf16; ``slot_mapping`` ``[T]`` int32, -1 for padding;
+        ``errors`` optional int32 ``[1]`` (``stepops.error_counter()``).
+    Writes:
+        ``key_cache``/``value_cache`` in place: token ``t`` goes to block ``slot_mapping[t] // N``, offset
+        ``slot_mapping[t] % N``; slot -1 writes nothing. A slot outside the cache never writes: on CPU the
+        op raises ``ValueError`` before writing anything; on CUDA the token writes nothing and is counted
+        in ``errors``, read after the step.
+    Returns:
+        ``None``.
+
+    ``validate=True`` also checks on the host (a sync) that every slot is -1 or inside the cache and that
+    no two tokens share a slot; leave it off in compiled and captured code.
+
+    Example::
+
+        key_cache = torch.zeros(4, 16, 2, 8, dtype=torch.bfloat16)  # 4 blocks of N = 16 tokens
+        value_cache = torch.zeros_like(key_cache)
+        slots = torch.tensor([17, 18, -1], dtype=torch.int32)       # block 1, offsets 1 and 2; padding
+        paged_kv_write(key, value, key_cache, value_cache, slots)   # key, value [3, 2, 8] bf16
     """
     if validate:
         validate_paged_kv_write_inputs(key, value, key_cache, value_cache, slot_mapping)

@@ -17,12 +17,12 @@ from stepops.ops.triton_bounds import bad_id, count_error, in_extent
 
 @triton.jit
 def _paged_kv_write_kernel(
-    key_ptr,
-    value_ptr,
-    key_cache_ptr,
-    value_cache_ptr,
-    slot_mapping_ptr,
-    errors_ptr,
+    key_ptr,  # [T, H, D] bf16
+    value_ptr,  # [T, H, Dv] bf16
+    key_cache_ptr,  # [num_blocks, N, H, D] bf16, written
+    value_cache_ptr,  # [num_blocks, N, H, Dv] bf16, written
+    slot_mapping_ptr,  # [T] int32, -1 for padding
+    errors_ptr,  # [1] int32, or any pointer when HAS_ERRORS is off
     block_size,
     num_slots,
     num_heads,

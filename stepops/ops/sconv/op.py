@@ -38,18 +38,23 @@ def sconv(
 ) -> torch.Tensor:
     """Store one stream's inputs of a ragged step in ``cache`` and return its short convolution.
 
-    ``x`` ``[T, H * width]`` bf16 head-major; ``weight`` ``[H * width, W]`` bf16/fp32 (the conv1d weight
-    ``[C, 1, W]`` squeezed); ``cache`` ``[num_blocks, H, N, D]`` bf16, written in place inside
-    ``[stream_offset, stream_offset + width)`` of each head at the step's slots only; ``block_table``
-    ``[R, max_blocks]`` int32; ``metadata`` from :func:`build_sconv_metadata`. Returns ``y``
-    ``[T, H * width]`` bf16: ``y[t, c] = x[t, c] + sum_{j<W} w[c, j] * x_{p-W+1+j}[c]`` in fp32, rounded
-    once (``silu`` applies ``a / (1 + exp(-a))`` to the sum first; ``residual=False`` drops ``x[t, c]``);
-    padding rows are zero.
+    Shapes and dtypes:
+        ``x`` ``[T, H * width]`` bf16, head-major; ``weight`` ``[H * width, W]`` bf16 or fp32 (the conv1d
+        weight ``[C, 1, W]`` squeezed); ``cache`` ``[num_blocks, H, N, D]`` bf16; ``block_table``
+        ``[R, max_blocks]`` int32; ``metadata`` from :func:`build_sconv_metadata` (four ``[T]`` int32,
+        -1 for padding); ``stream_offset`` int; ``errors`` optional int32 ``[1]``.
+    Writes:
+        ``cache`` in place, inside ``[stream_offset, stream_offset + width)`` of each head at the step's
+        slots only; on CUDA, ``errors`` counts tokens with an out-of-range id.
+    Returns:
+        ``y`` ``[T, H * width]`` bf16: ``y[t, c] = x[t, c] + sum_{j<W} w[c, j] * x_{p-W+1+j}[c]`` in fp32,
+        rounded once (``silu`` applies ``a / (1 + exp(-a))`` to the sum first; ``residual=False`` drops
+        ``x[t, c]``); padding rows are zero.
 
     No id makes the op touch memory outside its tensors (``stepops.ops.bounds``): on CPU an out-of-range
     request, chunk start, slot or block is a ``ValueError`` raised before anything is written; on CUDA
-    those addresses are masked (nothing written, zeros read) and the token is counted in ``errors``, an
-    optional int32 ``[1]`` device counter (``stepops.error_counter()``) read after the step.
+    those addresses are masked (nothing written, zeros read) and the token is counted in ``errors``
+    (``stepops.error_counter()``), read after the step.
 
     ``validate=True`` first checks on the host (a device sync; keep it off in serving and under
     ``torch.compile``) that the metadata describe contiguous, in-order request rows, that slots match
@@ -57,6 +62,11 @@ def sconv(
     block is unallocated, a negative entry or a column past the table, as zero; ``validate`` rejects it
     as a broken block table), and that no stored slot is read or stored twice; it raises ``ValueError``
     otherwise.
+
+    Example (the full one is in ``docs/ops.md``)::
+
+        metadata = build_sconv_metadata(query_start_loc, seq_lens, block_table, cache.shape[2], x.shape[0])
+        y_k = sconv(x_k, conv_k, cache, block_table, metadata, k_offset)  # [T, H * head_dim] bf16
     """
     if not isinstance(metadata, SconvMetadata):
         raise TypeError(f"sconv: metadata must be an SconvMetadata, got {type(metadata).__name__}")

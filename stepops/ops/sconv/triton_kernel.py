@@ -50,16 +50,16 @@ def silu_fp32(a):
 
 @triton.jit
 def _sconv_kernel(
-    x_ptr,
-    weight_ptr,
-    cache_ptr,
-    block_table_ptr,
-    token_request_ptr,
+    x_ptr,  # [T, H * width] bf16, head-major
+    weight_ptr,  # [H * width, W] bf16 or fp32
+    cache_ptr,  # [num_blocks, H, N, D] bf16, the stream at D-range [stream_offset, + width)
+    block_table_ptr,  # [R, max_blocks] int32
+    token_request_ptr,  # [T] int32, the four token metadata tensors, -1 for padding
     token_chunk_start_ptr,
     slot_mapping_ptr,
     token_position_ptr,
-    y_ptr,
-    errors_ptr,
+    y_ptr,  # [T, H * width] bf16, written
+    errors_ptr,  # [1] int32, or any pointer when HAS_ERRORS is off
     num_tokens,
     width,
     block_size,
