@@ -23,7 +23,7 @@ def _quantize_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     for i in range(scale.shape[1]):
         for j in range(scale.shape[2]):
             block = weight[:, i * _FP8_BLOCK : (i + 1) * _FP8_BLOCK, j * _FP8_BLOCK : (j + 1) * _FP8_BLOCK]
-            s = block.abs().amax((1, 2)).clamp(min=1e-10) / 448.0
+            s = block.abs().amax((1, 2)).clamp(min=1e-10) / torch.finfo(torch.float8_e4m3fn).max
             scale[:, i, j] = s
             quantized[:, i * _FP8_BLOCK : (i + 1) * _FP8_BLOCK, j * _FP8_BLOCK : (j + 1) * _FP8_BLOCK] = (
                 block / s[:, None, None]

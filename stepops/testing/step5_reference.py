@@ -17,11 +17,11 @@ from collections.abc import Mapping
 import torch
 import torch.nn.functional as F
 
+from stepops.layouts import REGION_SIZE
 from stepops.models.step5 import CSA, Step5Config
 
-_REGION = 8
 _FP8 = torch.float8_e4m3fn
-_FP8_MAX = 448.0
+_FP8_MAX = torch.finfo(_FP8).max
 _FP8_BLOCK = 128
 _RENORM_EPS = 1e-20
 
@@ -118,9 +118,9 @@ def _indexer_scores(
     k = _rope(k.to(torch.bfloat16), c.index_rope_dim, theta, scaling)
     z = F.linear(h, state[p + "z.weight"])
     w = F.linear(h, state[p + "w.weight"].to(torch.bfloat16)).float() * per_group**-0.5
-    n = length // _REGION
-    k_regions = k[: n * _REGION].float().view(n, _REGION, dim)
-    z_regions = z[: n * _REGION].float().view(n, _REGION, dim)
+    n = length // REGION_SIZE
+    k_regions = k[: n * REGION_SIZE].float().view(n, REGION_SIZE, dim)
+    z_regions = z[: n * REGION_SIZE].float().view(n, REGION_SIZE, dim)
     summaries = (torch.softmax(z_regions, dim=1) * k_regions).sum(1)  # per-dimension softmax over the 8 tokens
     summaries = summaries.to(torch.bfloat16).float().clamp(-_FP8_MAX, _FP8_MAX).to(_FP8).float()
     q8 = q.to(_FP8).float().view(length, groups, per_group, dim)
@@ -142,11 +142,11 @@ def _selection(scores: torch.Tensor, top_k: int, margin: float | None) -> tuple[
     allowed = torch.zeros(groups, length, length, dtype=torch.bool)
     near = torch.zeros(length, dtype=torch.bool)
     for i in range(length):
-        own = i // _REGION
+        own = i // REGION_SIZE
         for g in range(groups):
             ranked = _ranked(table[i][g], own)
             for r in ranked[:top_k] + [own]:
-                allowed[g, i, r * _REGION : (r + 1) * _REGION] = True
+                allowed[g, i, r * REGION_SIZE : (r + 1) * REGION_SIZE] = True
             if margin is not None and len(ranked) > top_k:
                 row = table[i][g]
                 gap = row[ranked[top_k - 1]] - row[ranked[top_k]]

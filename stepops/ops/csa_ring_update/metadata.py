@@ -6,7 +6,7 @@ from typing import NamedTuple
 
 import torch
 
-from stepops._meta.csa_ring_update import REGION_SIZE
+from stepops.layouts import REGION_SIZE
 from stepops.ops.step_metadata import TokenMetadata, build_token_metadata, check_same_device, reuse_token_metadata
 
 
