@@ -1,4 +1,4 @@
-"""The naive reference of ``stepops::paged_kv_write``: token by token, head by head, one row assignment each.
+"""The naive reference of ``stepops::paged_kv_write``: token by token, one row assignment per cache.
 
 Independent of :mod:`stepops.ops.paged_kv_write.torch_kernel` (no index tensors); used by the op tests and
 the benchmark's naive provider.
@@ -20,8 +20,6 @@ def paged_kv_write_reference(
     ``key_cache[slot // N, slot % N, h]`` (``value`` likewise) for every token whose slot is not -1."""
     block_size = key_cache.shape[1]
     for t, slot in enumerate(slot_mapping.tolist()):
-        if slot == -1:
-            continue
-        for h in range(key.shape[1]):
-            key_cache[slot // block_size, slot % block_size, h, :] = key[t, h, :]
-            value_cache[slot // block_size, slot % block_size, h, :] = value[t, h, :]
+        if slot != -1:
+            key_cache[slot // block_size, slot % block_size] = key[t]
+            value_cache[slot // block_size, slot % block_size] = value[t]
