@@ -357,7 +357,7 @@ class InklingDecoderLayer(nn.Module):
     def relative_bias_table(self, h: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
         """``[T, Hq, rel_extent]``: each token's bias by backward distance ``0..rel_extent-1`` (log-scaled on
         global layers). Attention adds entry ``d`` to the score of the key ``d`` positions back."""
-        r = self.r_proj(h).view(h.shape[0], self.num_heads, -1)
+        r = self.r_proj(h).view(h.shape[0], self.num_heads, self.config.d_rel)
         table = r @ self.rel_proj
         if self.log_scaling:
             tau = log_scaling(position, self.config.log_scaling_n_floor, self.config.log_scaling_alpha)

@@ -186,6 +186,8 @@ def paged_attention(
         raise ValueError(
             f"distance_bias must be [T, Hq, E] = [{num_tokens}, {num_heads}, E], got {tuple(distance_bias.shape)}"
         )
+    if num_tokens == 0 or block_table.shape[0] == 0:  # T = 0 or R = 0: every token is padding
+        return query.new_zeros(num_tokens, num_heads, value_size)
     group = num_heads // num_kv_heads
     max_blocks = block_table.shape[1]
     tiles = _query_tiles(token, block_table.shape[0], query_tile)
@@ -286,6 +288,8 @@ def sparse_region_attention(
             f"selected_regions must be [T, G, K] with T = {num_tokens} and G dividing Hkv = {num_kv_heads}, "
             f"got {shape}"
         )
+    if num_tokens == 0 or block_table.shape[0] == 0:  # T = 0 or R = 0: every token is padding
+        return query.new_zeros(num_tokens, num_heads, value_size)
     num_groups = selected_regions.shape[1]
     heads_per_group = num_kv_heads // num_groups
     device = query.device
@@ -354,6 +358,8 @@ def region_summary_slots(
     request (``request [T]``, -1 = padding, read as request 0); ``summary_block_table [R, max_summary_blocks]``.
     A chunk of regions at a time, so no ``[T, num_regions]`` table exists."""
     region = torch.arange(start, start + size, device=summary_block_table.device)
+    if summary_block_table.shape[0] == 0:  # R = 0: every token is padding, whose scores are masked anyway
+        return region.expand(request.shape[0], size) % summary_block_size
     column = (region // summary_block_size).clamp(max=summary_block_table.shape[1] - 1)
     table = summary_block_table.long().clamp(min=0)[request.long().clamp(min=0)]  # [T, max_summary_blocks]
     return table[:, column] * summary_block_size + region % summary_block_size
