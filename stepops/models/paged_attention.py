@@ -48,6 +48,14 @@ class _QueryTiles(NamedTuple):
     flat_slot: torch.Tensor  # [T] int64: token t's slot in the flattened [tiles * Qt], -1 for padding
 
 
+def _max(a: int | torch.SymInt, b: int | torch.SymInt) -> int | torch.SymInt:
+    """``max`` for sizes: ``torch.sym_max`` keeps a symbolic size symbolic; on plain ints it is Python's
+    ``max`` (torch 2.11's Dynamo cannot trace ``torch.sym_max`` of two constants: "returned non-Tensor")."""
+    if isinstance(a, int) and isinstance(b, int):
+        return max(a, b)
+    return torch.sym_max(a, b)
+
+
 def _query_tiles(token: TokenMetadata, num_requests: int, query_tile: int) -> _QueryTiles:
     """Split each request's tokens of the step into tiles of ``query_tile`` consecutive tokens.
 
@@ -60,8 +68,8 @@ def _query_tiles(token: TokenMetadata, num_requests: int, query_tile: int) -> _Q
     # step: no guard on T vs R (one graph for every T), and a max with 1 (a no-op for T >= 1) is one sympy
     # atom known to be positive, so views over the tile dim need no guard (2 * tiles is not expanded into a
     # sum whose divisibility, or a floor division whose nonzero-ness, sympy cannot prove; a dynamic T fails).
-    busy = num_requests - torch.sym_max(num_requests - num_tokens, 0)
-    num_tiles = torch.sym_max(1, (num_tokens + (query_tile - 1) * busy) // query_tile)
+    busy = num_requests - _max(num_requests - num_tokens, 0)
+    num_tiles = _max(1, (num_tokens + (query_tile - 1) * busy) // query_tile)
     device = token.position.device
     real = token.position >= 0
     request = token.request.long().clamp(min=0)
