@@ -3,7 +3,8 @@
 No model, op or lower module imports ``stepops.testing`` (test support builds on them, not the reverse) or
 an op's naive ``reference`` (test support too: it may need numpy); the only other importer of both is
 ``stepops.demo``, which sits on top with the CLI because checking against the recompute is its job. The
-module-level imports form no circle, and no module of stepops or benchmarks imports another's private name.
+module-level imports form no circle, and no module of stepops, benchmarks or tests imports another's private
+name.
 """
 
 from __future__ import annotations
@@ -57,7 +58,9 @@ def test_no_library_module_imports_test_support(name):
     assert not {m for m in _imports(name, module_level=False) if _is_test_support(m)}, name
 
 
-@pytest.mark.parametrize("path", sorted([*PACKAGE.rglob("*.py"), *(ROOT / "benchmarks").glob("*.py")]), ids=str)
+@pytest.mark.parametrize(
+    "path", sorted(p for folder in ("stepops", "benchmarks", "tests") for p in (ROOT / folder).rglob("*.py")), ids=str
+)
 def test_no_private_name_is_imported_from_another_module(path):
     tree = ast.parse(path.read_text(), str(path))
     private = [

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from stepops._meta.errors import check_errors_arg
-from stepops.layouts import REGION_SIZE, REPLAY_ROWS  # noqa: F401  (REGION_SIZE: stepops.models reads it here)
+from stepops.layouts import REPLAY_ROWS
 
 # uint8 means float8_e4m3fn codes: the wrapper passes fp8 caches as uint8 views because torch cannot
 # compare float8 tensors on CPU (allclose/equal are not implemented), which opcheck's test_schema needs.

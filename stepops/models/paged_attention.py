@@ -28,7 +28,7 @@ from typing import NamedTuple
 
 import torch
 
-from stepops._meta.csa_ring_update import REGION_SIZE
+from stepops.layouts import REGION_SIZE
 from stepops.ops.step_metadata import TokenMetadata
 
 # A finite "no key yet" running max: exp(finite - finite) never makes inf - inf = NaN.

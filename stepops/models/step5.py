@@ -34,9 +34,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from stepops._meta.csa_ring_update import REGION_SIZE
 from stepops.allocator import KVCaches, allocate_kv_caches
-from stepops.layouts import smallest_block_size
+from stepops.layouts import REGION_SIZE, smallest_block_size
 from stepops.models.metadata import (
     StepBuffers,
     Step5StepMetadata,

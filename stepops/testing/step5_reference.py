@@ -133,7 +133,7 @@ def _ranked(row: list[float], candidates: int) -> list[int]:
     return sorted(range(candidates), key=lambda r: (-row[r], r))
 
 
-def _selection(scores: torch.Tensor, top_k: int, margin: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+def region_selection(scores: torch.Tensor, top_k: int, margin: float | None) -> tuple[torch.Tensor, torch.Tensor]:
     """``[G, L, L]`` bool (key ``j`` in a region group ``g`` of query ``i`` selects: its top-k earlier complete
     regions and its own) and ``[L]`` bool (some group's k-th and (k+1)-th scores are within ``margin`` times
     its largest candidate magnitude)."""
@@ -173,7 +173,7 @@ def _layer(
     j_pos = torch.arange(length)[None, :]
     near = torch.zeros(length, dtype=torch.bool)
     if kind == CSA:
-        allowed, near = _selection(_indexer_scores(c, state, prefix, h, theta, scaling), c.index_top_k, margin)
+        allowed, near = region_selection(_indexer_scores(c, state, prefix, h, theta, scaling), c.index_top_k, margin)
         allowed &= j_pos <= i_pos
     else:
         allowed = ((j_pos <= i_pos) & (j_pos > i_pos - c.sliding_window)).expand(groups, length, length)
@@ -204,7 +204,7 @@ def step5_recompute(
     """One request's committed inputs ``x [L, hidden]`` through the whole stack and the final norm.
 
     Returns ``[L, hidden]`` bf16 and ``[L]`` bool: the rows whose output depends on a near-tie region choice
-    (see :func:`_selection`). A near tie in a layer before the last changes that row's keys and values
+    (see :func:`region_selection`). A near tie in a layer before the last changes that row's keys and values
     there, so it and every later row of the request are marked.
     """
     rows = torch.zeros(x.shape[0], dtype=torch.bool)

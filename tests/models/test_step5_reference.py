@@ -9,7 +9,7 @@ from stepops.models.step5_weights import load_step5_state_dict
 from stepops.testing import TOLERANCES
 from stepops.testing.recompute import compare_with_recompute
 from stepops.testing.step5_checkpoint import random_step5_checkpoint
-from stepops.testing.step5_reference import _selection
+from stepops.testing.step5_reference import region_selection
 
 
 def test_near_ties_are_the_close_kth_and_next_scores_of_any_group():
@@ -22,7 +22,7 @@ def test_near_ties_are_the_close_kth_and_next_scores_of_any_group():
     scores[19, :, :2] = torch.tensor([-0.50, -0.52])  # negative weights: gap 0.02 > 2**-5 * 0.52
     scores[20, 1, :2] = torch.tensor([0.5, 0.49])  # only group 1 is close: 0.01 <= 2**-5 * 0.5
     scores[9, :, 0] = 5.0  # one candidate: nothing to choose
-    allowed, near = _selection(scores, top_k=1, margin=2**-5)
+    allowed, near = region_selection(scores, top_k=1, margin=2**-5)
     # 18 and 21..23 are exact ties (every score 0): marked too, as any gap <= margin is.
     assert near.nonzero().flatten().tolist() == [16, 18, 20, 21, 22, 23]
     # Token 17: group 0 takes region 0, group 1 region 1, each with its own region 2.
