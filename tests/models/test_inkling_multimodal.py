@@ -19,8 +19,7 @@ import pytest
 import torch
 
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
-from test_inkling_oracle import FP32_LAYER, HF_CONFIG, VOCAB
+from test_inkling_oracle import FP32_LAYER, HF_CONFIG, VOCAB, single_file_copy
 from transformers import InklingConfig, InklingForConditionalGeneration  # the test extra pins 5.23.0
 
 from stepops.models.inkling_checkpoint import ORIGINAL_WEIGHT_NAMES, WEIGHT_NAMES, load_inkling
@@ -77,23 +76,6 @@ def _load_quietly(path, **kwargs):
         return load_inkling(path, **kwargs)
 
 
-def _copy(checkpoint, tmp_path, edit=None, config_edit=None):
-    """The checkpoint as one ``model.safetensors``, its tensors changed by ``edit``, its config by ``config_edit``."""
-    index = checkpoint / "model.safetensors.index.json"
-    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else ["model.safetensors"]
-    tensors = {}
-    for name in files:
-        tensors.update(load_file(checkpoint / name))
-    if edit:
-        edit(tensors)
-    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
-    config = json.loads((checkpoint / "config.json").read_text())
-    if config_edit:
-        config_edit(config)
-    (tmp_path / "config.json").write_text(json.dumps(config))
-    return tmp_path
-
-
 def test_save_pretrained_writes_the_two_layouts(saved):
     """What the loader has to read (if transformers changes its default layout, this says so first)."""
     original, module_names = _keys(saved[ORIGINAL]), _keys(saved[MODULE_NAMES])
@@ -147,7 +129,7 @@ def test_text_logits_equal_the_multimodal_model_in_fp32(hf_mm, saved, layout):
     [(ORIGINAL, "model.visual.", "model.audio."), (MODULE_NAMES, "model.vision_tower.", "model.audio_tower.")],
 )
 def test_one_warning_names_the_ignored_towers_and_mtp(saved, tmp_path, layout, vision, audio):
-    path = _copy(saved[layout], tmp_path, lambda t: t.update({"model.mtp.0.proj.weight": torch.zeros(2, 2)}))
+    path = single_file_copy(saved[layout], tmp_path, lambda t: t.update({"model.mtp.0.proj.weight": torch.zeros(2, 2)}))
     keys = _keys(saved[layout])
     n_vision, n_audio = sum(k.startswith(vision) for k in keys), sum(k.startswith(audio) for k in keys)
     assert n_vision >= 4 and n_audio == 2
@@ -181,7 +163,7 @@ def test_one_warning_names_the_ignored_towers_and_mtp(saved, tmp_path, layout, v
 )
 def test_bad_language_model_weights_are_errors(saved, tmp_path, layout, edit, message):
     with pytest.raises(ValueError, match=message):
-        _load_quietly(_copy(saved[layout], tmp_path, edit))
+        _load_quietly(single_file_copy(saved[layout], tmp_path, edit))
 
 
 @pytest.mark.parametrize(
@@ -196,4 +178,4 @@ def test_bad_language_model_weights_are_errors(saved, tmp_path, layout, edit, me
 )
 def test_unsupported_multimodal_configs_are_errors(saved, tmp_path, config_edit, message):
     with pytest.raises(ValueError, match=message):
-        load_inkling(_copy(saved[MODULE_NAMES], tmp_path, config_edit=config_edit))
+        load_inkling(single_file_copy(saved[MODULE_NAMES], tmp_path, config_edit=config_edit))

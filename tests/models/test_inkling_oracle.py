@@ -156,11 +156,13 @@ def _layer_io(hf, ids: torch.Tensor) -> tuple[list[tuple[torch.Tensor, torch.Ten
 # -- loading ---------------------------------------------------------------------------------------------
 
 
-def _single_file_copy(checkpoint, tmp_path, edit=None, config_edit=None):
-    """The checkpoint as one ``model.safetensors`` (``edit`` may change its tensors, ``config_edit`` its config)."""
-    index = json.loads((checkpoint / "model.safetensors.index.json").read_text())
+def single_file_copy(checkpoint, tmp_path, edit=None, config_edit=None):
+    """The checkpoint (sharded or not) as one ``model.safetensors`` (``edit`` may change its tensors,
+    ``config_edit`` its config)."""
+    index = checkpoint / "model.safetensors.index.json"
+    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else ["model.safetensors"]
     tensors = {}
-    for name in sorted(set(index["weight_map"].values())):
+    for name in files:
         tensors.update(load_file(checkpoint / name))
     if edit:
         edit(tensors)
@@ -173,13 +175,13 @@ def _single_file_copy(checkpoint, tmp_path, edit=None, config_edit=None):
 
 
 def test_one_file_loads_like_the_shards(checkpoint, tmp_path):
-    sharded, single = load_inkling(checkpoint).state_dict(), load_inkling(_single_file_copy(checkpoint, tmp_path)).state_dict()
+    sharded, single = load_inkling(checkpoint).state_dict(), load_inkling(single_file_copy(checkpoint, tmp_path)).state_dict()
     assert sharded.keys() == single.keys() and all(torch.equal(sharded[k], single[k]) for k in sharded)
 
 
 def test_multi_token_prediction_and_tower_weights_are_ignored_with_a_warning(checkpoint, tmp_path):
     extra = {"model.mtp.0.proj.weight": torch.zeros(2, 2), "model.vision_tower.patch.weight": torch.zeros(1)}
-    path = _single_file_copy(checkpoint, tmp_path, lambda t: t.update(extra))
+    path = single_file_copy(checkpoint, tmp_path, lambda t: t.update(extra))
     with pytest.warns(UserWarning, match=r"ignoring 1 vision-tower weights \(model.vision_tower.\*\), 1 multi-token-prediction weights \(model.mtp.\*\): out of scope"):
         load_inkling(path)
 
@@ -196,7 +198,7 @@ def test_multi_token_prediction_and_tower_weights_are_ignored_with_a_warning(che
 )
 def test_bad_weights_are_errors_that_name_them(checkpoint, tmp_path, edit, message):
     with pytest.raises(ValueError, match=message):
-        load_inkling(_single_file_copy(checkpoint, tmp_path, edit))
+        load_inkling(single_file_copy(checkpoint, tmp_path, edit))
 
 
 @pytest.mark.parametrize(
@@ -211,7 +213,7 @@ def test_bad_weights_are_errors_that_name_them(checkpoint, tmp_path, edit, messa
 )
 def test_unsupported_configs_are_errors(checkpoint, tmp_path, config_edit, message):
     with pytest.raises(ValueError, match=message):
-        load_inkling(_single_file_copy(checkpoint, tmp_path, config_edit=config_edit))
+        load_inkling(single_file_copy(checkpoint, tmp_path, config_edit=config_edit))
 
 
 @pytest.mark.parametrize(
