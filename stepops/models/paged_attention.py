@@ -68,8 +68,10 @@ def _query_tiles(token: TokenMetadata, num_requests: int, query_tile: int) -> _Q
     # step: no guard on T vs R (one graph for every T), and a max with 1 (a no-op for T >= 1) is one sympy
     # atom known to be positive, so views over the tile dim need no guard (2 * tiles is not expanded into a
     # sum whose divisibility, or a floor division whose nonzero-ness, sympy cannot prove; a dynamic T fails).
+    # At least 2 tiles (a spare one is padding): a tile dim that is 1 at the first compile (one request, a
+    # short step) would be specialised by broadcasting and contiguity checks, failing every longer step.
     busy = num_requests - _max(num_requests - num_tokens, 0)
-    num_tiles = _max(1, (num_tokens + (query_tile - 1) * busy) // query_tile)
+    num_tiles = _max(2, (num_tokens + (query_tile - 1) * busy) // query_tile)
     device = token.position.device
     real = token.position >= 0
     request = token.request.long().clamp(min=0)

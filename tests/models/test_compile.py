@@ -94,6 +94,22 @@ def test_fullgraph_one_graph_no_breaks_equal_to_eager(model_cls, config):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("model_cls, config", _MODELS)
+def test_one_request_runner_compiles_one_graph_for_every_size(model_cls, config):
+    """A runner with one request slot: its first compiled step (T = 2) has a single query tile's worth of
+    tokens, which must not pin the tile count (it did: every longer step then failed a shape guard)."""
+    torch.manual_seed(0)
+    runner = StepRunner(model_cls(config), max_requests=1, max_model_len=12, max_tokens=8, device="cpu",
+                        mode="compiled", compile_backend="aot_eager")
+    counters.clear()
+    runner.warm_up()  # T = 2, 4, 8
+    hidden = torch.randn(7, config.hidden_size).to(torch.bfloat16)
+    out = runner.step([ScheduledRequest(0, 0, hidden[:5])])[0]
+    out_next = runner.step([ScheduledRequest(0, 5, hidden[5:])])[0]
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
+    assert out.shape == (5, config.hidden_size) and out_next.shape == (2, config.hidden_size)
+
+
 def test_token_count_one_compiles_a_second_graph():
     """Dynamo specialises sizes 0 and 1: a T = 1 step is its own graph (one recompile), still correct.
 
