@@ -4,16 +4,18 @@ A 2-layer Step5 stack (a sliding-window layer and a CSA layer) and a 2-layer Ink
 and global) run the same kind of workload: several requests, prompts split into prefill chunks, then plain
 decode and speculative verify steps whose rejected drafts the next step overwrites. Each model runs eagerly,
 compiled with ``torch.compile(fullgraph=True)`` and, with a GPU, replayed from CUDA graphs; every run's
-committed outputs are compared with a full recompute of the committed sequences without caches.
+compiled run and CUDA-graph replay must reproduce the eager run's committed outputs (within
+:data:`COMPILED_VS_EAGER`), with no graph break and no recompile.
 
 With ``tp > 1`` the Inkling stack runs tensor-parallel: the demo spawns ``tp`` local ranks (gloo on CPU,
 NCCL with one GPU per rank), each loads its shard of the same seeded weights, and every rank's outputs are
-checked against the recompute of the unsharded model. Step5 stays in one process (tensor parallelism here
+checked against the eager run of the unsharded model. Step5 stays in one process (tensor parallelism here
 is Inkling's).
 
-The one demo module: :func:`register` adds the ``demo`` subcommand to ``python -m stepops``. It imports the
-recompute and the tolerance table from :mod:`stepops.testing`, because checking against them is its job; it
-sits on top with the CLI and the benchmarks, and no model or op module imports it or ``stepops.testing``.
+What the demo shows is that the stacks run, compile and capture as one graph and agree with themselves.
+Whether they are right is the test suite's question: ``tests/models`` compares them with transformers'
+Inkling and an independent Step5 recompute (``stepops.testing``), which this module does not import.
+:func:`register` adds the ``demo`` subcommand to ``python -m stepops``.
 """
 
 from __future__ import annotations
@@ -36,11 +38,9 @@ import torch.distributed as dist
 from torch._dynamo.utils import counters
 
 from stepops.models import InklingConfig, InklingModel, Step5Config, Step5Model
-from stepops.testing.recompute import compare_with_recompute
-from stepops.models.runner import COMPILED, CUDA_GRAPH, EAGER, TOKENS, StepRunner, Workload, run_workload
 from stepops.models.inkling import shard_inkling_state_dict
+from stepops.models.runner import COMPILED, CUDA_GRAPH, EAGER, TOKENS, StepRunner, Workload, run_workload
 from stepops.models.tensor_parallel import spawn_ranks
-from stepops.testing.tolerances import TOLERANCES
 
 WORKLOAD = Workload()
 # Factories as partials, not lambdas: the tensor-parallel ranks receive theirs pickled.
@@ -49,8 +49,19 @@ _MODELS: tuple[tuple[str, Callable[[], torch.nn.Module]], ...] = (
     ("inkling", partial(InklingModel, InklingConfig())),
 )
 _TP_MODEL = "inkling"  # the stack that runs tensor-parallel with --tp > 1
-_BOUND = "model_vs_recompute"
-_TP_BOUND = "tensor_parallel_vs_single_rank"
+# A run in another mode (compiled, CUDA graph, tensor-parallel ranks) vs the eager single-process run, per
+# element: |err| <= atol + rtol * |eager|. Fused kernels and per-rank bf16 partial sums round a stage one bf16
+# ulp (2**-8 relative) apart, and a 2-layer stack compounds a few: 4 ulps (2**-6), and near 0 one ulp of the
+# residual stream (|x| < 16: 2**-3). The test suite derives the same figures for its comparisons
+# (stepops.testing.TOLERANCES: model_vs_recompute, tensor_parallel_vs_single_rank). A stale cache row, a
+# wrong mask or a flipped CSA region choice is off by 0.1 or more.
+MODE_VS_EAGER_ATOL, MODE_VS_EAGER_RTOL = 2**-3, 2**-6
+# Step5 selects regions by top-k of e4m3-rounded scores: where a token's k-th and (k+1)-th scores are a near
+# tie, a fused kernel's rounding may pick the other region, a correct choice that moves the token's output
+# by O(1) (and every later row of its request when a later layer reads it). Such rows are counted, and may be
+# at most this share of a stack's rows (the test suite, which has the recompute's scores, leaves out exactly
+# the near ties: seen 0-5 of 93 rows on CPU). Inkling selects nothing: every row must be inside the bound.
+STEP5_MAX_SHARE_OF_ROWS_OFF = 1 / 10
 
 
 def _say(text: str) -> None:
@@ -88,14 +99,17 @@ def _run_mode(
     device: torch.device,
     backend: str,
     workload: Workload,
+    eager_outputs: list[torch.Tensor] | None,
     shard: Callable[[torch.nn.Module], torch.nn.Module] | None = None,
-) -> dict:
+) -> tuple[dict, list[torch.Tensor]]:
     """Run ``workload`` through ``make()`` in ``mode``; with ``shard``, through ``shard(make())`` (this rank's
-    tensor-parallel model), still checked against the recompute of the whole ``make()``."""
+    tensor-parallel model). Returns the report row, checked against ``eager_outputs`` (the eager
+    single-process run; ``None``: this is that run), and the committed outputs."""
     torch.manual_seed(0)  # every mode (and every rank) gets the same weights
     with device:
-        reference = make()
-        model = shard(reference) if shard else reference
+        model = make()
+        if shard:
+            model = shard(model)
     runner = StepRunner(
         model,
         max_requests=len(workload.prompt_lens),
@@ -116,11 +130,9 @@ def _run_mode(
             runner.warm_up(lambda msg: _say(f"    {msg}  ({time.perf_counter() - warm_start:.0f} s)"))
     warm_seconds = time.perf_counter() - warm_start
     result = run_workload(runner, workload, model.config.hidden_size)
-    # Tokens whose region choice is a near tie in the recompute may go either way: left out, and counted.
-    comparison = compare_with_recompute(
-        reference, result.inputs, result.outputs, tolerance=TOLERANCES[_TP_BOUND if shard else _BOUND]
-    )
-    err, inside = comparison.max_abs_err, comparison.within_bound and comparison.few_near_ties
+    err, rows_off = _compare(result.outputs, eager_outputs or result.outputs)
+    rows = sum(out.shape[0] for out in result.outputs)
+    finite = all(bool(out.isfinite().all()) for out in result.outputs)
     row = {
         "mode": mode,
         "steps": result.steps,
@@ -129,20 +141,48 @@ def _run_mode(
         "rejected_tokens": result.rejected_tokens,
         "seconds": round(result.seconds, 3),
         "warm_up_seconds": round(warm_seconds, 3),
-        "max_abs_err_vs_recompute": err,
-        "max_row_relative_err_vs_recompute": comparison.max_row_relative_err,
-        "within_bound": inside,
-        "near_tie_rows": comparison.near_tie_rows,
-        "compared_rows": comparison.rows - comparison.near_tie_rows,
+        "max_abs_err_vs_eager": err,
+        "rows_off": rows_off,
+        "rows": rows,
+        "within_bound": finite and rows_off <= _rows_off_allowed(model) * rows,
     }
     if mode == COMPILED:
         row["graph_breaks"] = sum(counters["graph_break"].values())
         row["recompiles"] = max(counters["stats"]["unique_graphs"] - 1, 0)
     _say(
-        f"  {name} {mode}: {result.steps} steps, {result.tokens} tokens, {result.seconds:.2f} s, max err {err:g}"
-        f" ({comparison.near_tie_rows} of {comparison.rows} rows left out as near-tie region choices)"
+        f"  {name} {mode}: {result.steps} steps, {result.tokens} tokens, {result.seconds:.2f} s"
+        + (f", max |err| vs eager {err:g}, {rows_off} of {rows} rows outside the bound"
+           if eager_outputs is not None else "")
+        + ("" if finite else ", NON-FINITE outputs")
     )
-    return row
+    return row, result.outputs
+
+
+def _rows_off_allowed(model: torch.nn.Module) -> float:
+    return STEP5_MAX_SHARE_OF_ROWS_OFF if isinstance(model, Step5Model) else 0.0
+
+
+def _compare(outputs: list[torch.Tensor], eager: list[torch.Tensor]) -> tuple[float, int]:
+    """Largest ``|outputs - eager|`` over every request's committed rows, and the number of rows with an
+    element outside ``MODE_VS_EAGER_ATOL + MODE_VS_EAGER_RTOL * |eager|``."""
+    err, rows_off = 0.0, 0
+    for got, want in zip(outputs, eager, strict=True):
+        diff = (got.float() - want.float()).abs()
+        err = max(err, float(diff.max()) if diff.numel() else 0.0)
+        rows_off += int((diff > MODE_VS_EAGER_ATOL + MODE_VS_EAGER_RTOL * want.float().abs()).any(-1).sum())
+    return err, rows_off
+
+
+def _run_modes(name, make, modes, device, backend, workload, shard=None) -> dict[str, dict]:
+    """The eager single-process run of ``make()``, then each of ``modes`` (of ``shard(make())`` with
+    ``shard``) checked against it; the report rows by mode."""
+    eager_row, eager_outputs = _run_mode(f"{name} (reference)" if shard else name, make, EAGER, device, backend,
+                                         workload, None)
+    rows = {} if shard else {EAGER: eager_row}
+    for mode in modes:
+        if mode != EAGER or shard:
+            rows[mode], _ = _run_mode(name, make, mode, device, backend, workload, eager_outputs, shard)
+    return rows
 
 
 def _inkling_generation(device: torch.device) -> dict:
@@ -186,8 +226,7 @@ def _tp_rank(rank: int, tp_size: int, make, device_type: str, backend: str, work
         model.load_state_dict(shard_inkling_state_dict(full.state_dict(), full.config, tp_rank=rank, tp_size=tp_size))
         return model
 
-    name = f"{_TP_MODEL} (tp={tp_size})"
-    rows = {mode: _run_mode(name, make, mode, device, backend, workload, shard) for mode in (EAGER, COMPILED)}
+    rows = _run_modes(f"{_TP_MODEL} (tp={tp_size})", make, (EAGER, COMPILED), device, backend, workload, shard)
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(rows, f)
 
@@ -195,7 +234,7 @@ def _tp_rank(rank: int, tp_size: int, make, device_type: str, backend: str, work
 def _run_tensor_parallel(make, tp: int, dev: torch.device, backend: str) -> dict[str, dict]:
     """Spawn ``tp`` ranks of ``make()`` sharded; merge their rows (worst error, most graph breaks)."""
     comm = "nccl" if dev.type == "cuda" else "gloo"
-    _say(f"  {tp} ranks ({comm}), one process each; every rank checked against the unsharded recompute")
+    _say(f"  {tp} ranks ({comm}), one process each; every rank checked against the unsharded eager run")
     with tempfile.TemporaryDirectory(prefix="stepops-demo-tp-") as out_dir:
         spawn_ranks(_tp_rank, tp, make, dev.type, backend, WORKLOAD, out_dir, backend=comm)
         ranks = []
@@ -204,7 +243,7 @@ def _run_tensor_parallel(make, tp: int, dev: torch.device, backend: str) -> dict
                 ranks.append(json.load(f))
     rows = ranks[0]
     for mode, row in rows.items():
-        for key in ("max_abs_err_vs_recompute", "max_row_relative_err_vs_recompute", "near_tie_rows"):
+        for key in ("max_abs_err_vs_eager", "rows_off"):
             row[key] = max(rank[mode][key] for rank in ranks)
         row["within_bound"] = all(rank[mode]["within_bound"] for rank in ranks)
         for key in ("graph_breaks", "recompiles"):
@@ -271,14 +310,12 @@ def run_demo(*, json_path: str | None = None, device: str = "auto", backend: str
             rows = _run_tensor_parallel(make, tp, dev, backend)
         else:
             _say(f"{name}:" + (" (single process)" if tp > 1 else ""))
-            rows = {mode: _run_mode(name, make, mode, dev, backend, WORKLOAD) for mode in modes}
+            rows = _run_modes(name, make, modes, dev, backend, WORKLOAD)
         compiled = rows[COMPILED]
         report[name] = {
             "graph_breaks": compiled["graph_breaks"],
             "recompiles": compiled["recompiles"],
-            "max_abs_err_vs_recompute": max(r["max_abs_err_vs_recompute"] for r in rows.values()),
-            "max_row_relative_err_vs_recompute": max(r["max_row_relative_err_vs_recompute"] for r in rows.values()),
-            "near_tie_rows": max(r["near_tie_rows"] for r in rows.values()),
+            "max_abs_err_vs_eager": max(r["max_abs_err_vs_eager"] for r in rows.values()),
             "steps": rows[EAGER]["steps"],
             "tokens": rows[EAGER]["tokens"],
             "eager_seconds": rows[EAGER]["seconds"],
@@ -286,7 +323,6 @@ def run_demo(*, json_path: str | None = None, device: str = "auto", backend: str
             "compile_seconds": compiled["warm_up_seconds"],
             "within_bound": all(r["within_bound"] for r in rows.values()),
             "tp": tp if sharded else 1,
-            "bound": _TP_BOUND if sharded else _BOUND,
             "modes": rows,
         }
         if CUDA_GRAPH in rows:
@@ -298,8 +334,8 @@ def run_demo(*, json_path: str | None = None, device: str = "auto", backend: str
     ok = ok and all(r["generation"]["same_with_drafts"] for r in report.values() if "generation" in r)
     if json_path:
         with open(json_path, "w") as f:
-            json.dump({"device": str(dev), "backend": backend, "tp": tp, "bound": TOLERANCES[_BOUND].__dict__,
-                       "bounds": {key: TOLERANCES[key].__dict__ for key in {r["bound"] for r in report.values()}},
+            bound = {"atol": MODE_VS_EAGER_ATOL, "rtol": MODE_VS_EAGER_RTOL}
+            json.dump({"device": str(dev), "backend": backend, "tp": tp, "bound_vs_eager": bound,
                        "models": report, "ok": ok}, f, indent=2)
         _say(f"wrote {json_path}")
     _say("all checks passed" if ok else "SOME CHECKS FAILED")
@@ -307,14 +343,16 @@ def run_demo(*, json_path: str | None = None, device: str = "auto", backend: str
 
 
 def _print_table(report: dict[str, dict]) -> None:
-    header = ("model", "mode", "steps", "tokens", "seconds", "max |err| vs recompute", "in bound", "graph breaks", "recompiles")
+    header = ("model", "mode", "steps", "tokens", "seconds", "max |err| vs eager", "rows off", "in bound",
+              "graph breaks", "recompiles")
     lines = [header]
     for name, r in report.items():
         for mode, row in r["modes"].items():
             lines.append((
                 name + (f" (tp={r['tp']})" if r["tp"] > 1 else ""), mode, str(row["steps"]), str(row["tokens"]),
                 f"{row['seconds']:.2f}",
-                f"{row['max_abs_err_vs_recompute']:g}", "yes" if row["within_bound"] else "NO",
+                f"{row['max_abs_err_vs_eager']:g}", f"{row['rows_off']}/{row['rows']}",
+                "yes" if row["within_bound"] else "NO",
                 str(row.get("graph_breaks", "-")), str(row.get("recompiles", "-")),
             ))
     widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
@@ -324,16 +362,11 @@ def _print_table(report: dict[str, dict]) -> None:
         if i == 0:
             _say("  ".join("-" * wd for wd in widths))
     _say("")
-    for bound in sorted({r["bound"] for r in report.values()}, key=[_BOUND, _TP_BOUND].index):
-        tol = TOLERANCES[bound]
-        users = ", ".join(name + (f" (tp={r['tp']})" if r["tp"] > 1 else "") for name, r in report.items()
-                          if r["bound"] == bound)
-        _say(f"bound ({users}): |err| <= {tol.atol} + {tol.rtol} * |recompute| per element "
-             f"(stepops.testing.TOLERANCES[{bound!r}]), tokens with a near-tie region choice left out"
-             + ("; not bitwise even on CPU: the layers and the recompute sum attention in other orders, so an "
-                "output may land a bf16 ulp or two of its token's scale apart." if bound == _BOUND else
-                "; the ranks' bf16 partial sums round once more than one matmul, so not bitwise."))
-
+    _say(f"bound: |err| <= {MODE_VS_EAGER_ATOL} + {MODE_VS_EAGER_RTOL} * |eager| per element, against the eager "
+         "single-process run of the same stack (fused kernels and tensor-parallel partial sums round in other "
+         f"orders, so not bitwise); rows off: rows with an element outside it, at most "
+         f"{STEP5_MAX_SHARE_OF_ROWS_OFF:.0%} of Step5's (near-tie region choices) and none of Inkling's. Correctness against transformers' Inkling and the Step5 recompute: the "
+         "test suite (tests/models).")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -343,8 +376,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="run 2-layer Step5 and Inkling stacks through a multi-request workload, eager and compiled",
         description="Run a 2-layer Step5 stack and a 2-layer Inkling stack through a scripted multi-request "
         "workload (chunked prefill, decode, speculative verify with rejections), eagerly, compiled with "
-        "torch.compile(fullgraph=True) and, with a GPU, from CUDA graphs; check each run against a full "
-        "recompute without caches and print a table. Exits 1 when a check fails.",
+        "torch.compile(fullgraph=True) and, with a GPU, from CUDA graphs; check each run against the eager "
+        "run, count graph breaks and recompiles, and print a table. Exits 1 when a check fails.",
     )
     parser.add_argument("--json", metavar="PATH", help="also write the per-model results as JSON")
     parser.add_argument("--device", default="auto", help="auto (a GPU when present), cpu or cuda")

@@ -1,9 +1,8 @@
 """The package's imports point one way: read with ``ast`` from the source, so nothing is imported to check.
 
-No model, op or lower module imports ``stepops.testing`` (test support builds on them, not the reverse) or
-an op's naive ``reference`` (test support too: it may need numpy); the only other importer of both is
-``stepops.demo``, which sits on top with the CLI because checking against the recompute is its job. The
-module-level imports form no circle, and no module of stepops, benchmarks or tests imports another's private
+No module of the package outside ``stepops.testing`` imports ``stepops.testing`` (test support builds on the
+ops and models, not the reverse) or an op's naive ``reference`` (test support too: it may need numpy); that
+includes the demo and the CLI. The module-level imports form no circle, and no module of stepops, benchmarks or tests imports another's private
 name.
 """
 
@@ -53,7 +52,7 @@ def _is_test_support(module: str) -> bool:
     return module == "stepops.testing" or module.startswith("stepops.testing.") or module.endswith(".reference")
 
 
-@pytest.mark.parametrize("name", sorted(n for n in MODULES if not _is_test_support(n) and n != "stepops.demo"))
+@pytest.mark.parametrize("name", sorted(n for n in MODULES if not _is_test_support(n)))
 def test_no_library_module_imports_test_support(name):
     assert not {m for m in _imports(name, module_level=False) if _is_test_support(m)}, name
 
