@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 from stepops._meta.paged_kv_write import check_paged_kv_write_args
-from stepops.ops.bounds import check_ids
+from stepops.ops.bounds import IdCheck, any_bad_ids, bad_ids_error
+from stepops.ops.put_rows import put_rows_
 
 
 def paged_kv_write_torch(
@@ -34,11 +35,9 @@ def paged_kv_write_torch(
     check_paged_kv_write_args(key, value, key_cache, value_cache, slot_mapping, errors)
     block_size = key_cache.shape[1]
     slots = slot_mapping.to(torch.int64)
-    check_ids("paged_kv_write", "slot_mapping", slots, key_cache.shape[0] * block_size)
-    keep = slots >= 0
-    # Padding tokens are dropped by index (a data-dependent size): fine inside an opaque op on the CPU path.
-    tokens = keep.nonzero().squeeze(1)
-    blocks = slots[tokens] // block_size
-    offsets = slots[tokens] % block_size
-    key_cache[blocks, offsets] = key[tokens]
-    value_cache[blocks, offsets] = value[tokens]
+    checks = (IdCheck("slot_mapping", slots, key_cache.shape[0] * block_size),)
+    if bool(any_bad_ids(checks)):  # the one host read (stepops.ops.bounds)
+        raise bad_ids_error("paged_kv_write", checks)
+    index = (slots // block_size, slots % block_size)
+    put_rows_(key_cache, index, key, slots >= 0)
+    put_rows_(value_cache, index, value, slots >= 0)
