@@ -15,7 +15,8 @@ from __future__ import annotations
 import torch
 
 from stepops._meta.sconv import check_sconv_args
-from stepops.ops.bounds import check_ids
+from stepops.ops.bounds import IdCheck, any_bad_ids, bad_ids_error
+from stepops.ops.put_rows import put_rows_
 
 
 def silu_fp32(a: torch.Tensor) -> torch.Tensor:
@@ -81,51 +82,60 @@ def sconv_torch(
         stream_offset, errors,
     )  # fmt: skip
     num_tokens, num_heads, width, kernel_size, block_size = sizes
-    num_blocks, max_blocks = cache.shape[0], block_table.shape[1]
-    stream = cache[..., stream_offset : stream_offset + width]  # [num_blocks, H, N, width] view
+    num_blocks, max_blocks, num_requests = cache.shape[0], block_table.shape[1], block_table.shape[0]
+    stream = cache[..., stream_offset : stream_offset + width].transpose(1, 2)  # [num_blocks, N, H, width] view
     row = torch.arange(num_tokens, device=x.device, dtype=torch.int64)
     request = token_request.to(torch.int64)
     position = token_position.to(torch.int64)
-    # Every id that becomes an address is checked before anything is written (stepops.ops.bounds).
-    num_requests = block_table.shape[0]
-    check_ids("sconv", "token_request", request, num_requests, expected=f"-1 or a block_table row in [0, {num_requests})")
     is_real = request >= 0
-    check_ids("sconv", "token_chunk_start", token_chunk_start, row + 1, where=is_real, padding=False,
-              expected="in [0, t] for a real token t (the row of its request's first token in this step)")
-    check_ids("sconv", "slot_mapping", slot_mapping, num_blocks * block_size, where=is_real)
     first_position = position - (row - token_chunk_start.to(torch.int64))
-    safe_request = torch.where(is_real, request, 0)
-    # An empty table (R = 0, or no columns): unallocated entries keep the gather below in bounds.
-    table = block_table if block_table.numel() else block_table.new_full((max(num_requests, 1), 1), -1)
 
-    x_f32 = x.float()
-    weight_f32 = weight.float()
-    acc = torch.zeros(num_tokens, num_heads * width, dtype=torch.float32, device=x.device)
-    for j in range(kernel_size):
-        q = position - (kernel_size - 1) + j
-        in_step = is_real & (q >= first_position)
-        in_cache = is_real & (q >= 0) & ~in_step
-        from_x = x_f32[torch.where(in_step, row - (kernel_size - 1 - j), 0)]
-        q_safe = torch.where(in_cache, q, 0)
-        column = q_safe // block_size
-        in_table = column < max_blocks
-        block = table[safe_request, column.clamp(max=table.shape[1] - 1)].to(torch.int64)
-        in_cache = in_cache & in_table & (block >= 0)  # an unallocated block is a zero tap
-        check_ids("sconv", "block_table", block, num_blocks, where=in_cache, padding=False,
+    # Every tap of every token at once, [T, W]: tap j of token t is at position q = p - (W-1) + j.
+    taps = torch.arange(kernel_size, device=x.device)
+    q = position[:, None] - (kernel_size - 1) + taps
+    in_step = is_real[:, None] & (q >= first_position[:, None])
+    in_cache = is_real[:, None] & (q >= 0) & ~in_step
+    q_cached = torch.where(in_cache, q, 0)
+    column = q_cached // block_size
+    # An empty table (R = 0, or no columns): unallocated entries keep the gather in bounds. The clamps keep
+    # it in bounds for bad request ids too, which the check below reports before anything is written.
+    table = block_table if block_table.numel() else block_table.new_full((max(num_requests, 1), 1), -1)
+    safe_request = request.clamp(0, table.shape[0] - 1)
+    block = table[safe_request[:, None], column.clamp(max=table.shape[1] - 1)].to(torch.int64)
+    in_cache = in_cache & (column < max_blocks) & (block >= 0)  # an unallocated block is a zero tap
+
+    # Every id that becomes an address is checked before anything is written (stepops.ops.bounds).
+    checks = (
+        IdCheck("token_request", request, num_requests, expected=f"-1 or a block_table row in [0, {num_requests})"),
+        IdCheck("token_chunk_start", token_chunk_start, row + 1, where=is_real, padding=False,
+                expected="in [0, t] for a real token t (the row of its request's first token in this step)"),
+        IdCheck("slot_mapping", slot_mapping, num_blocks * block_size, where=is_real),
+        *(IdCheck("block_table", block[:, j], num_blocks, where=in_cache[:, j], padding=False,
                   expected=f"negative (unallocated) or in [0, {num_blocks}) for every block a token reads")
-        block = torch.where(in_cache, block, 0)
-        from_cache = stream[block, :, q_safe % block_size].reshape(num_tokens, num_heads * width).float()
-        tap = torch.where(in_step[:, None], from_x, torch.where(in_cache[:, None], from_cache, 0.0))
-        acc = acc + weight_f32[:, j] * tap
+          for j in range(kernel_size)),
+    )  # fmt: skip
+    if bool(any_bad_ids(checks)):  # the one host read
+        raise bad_ids_error("sconv", checks)
+
+    # [T, H, width] throughout, and the weights as [W, H, width]: the innermost dim is contiguous in every
+    # operand (compiled, the loop over channels vectorizes).
+    x_f32 = x.view(num_tokens, num_heads, width).float()
+    weight_f32 = weight.float().t().reshape(kernel_size, num_heads, width)
+    x_row = torch.where(in_step, row[:, None] - (kernel_size - 1) + taps, 0)
+    cached = stream[torch.where(in_cache, block, 0), q_cached % block_size]  # [T, W, H, width]
+    acc = torch.zeros(num_tokens, num_heads, width, dtype=torch.float32, device=x.device)
+    for j in range(kernel_size):
+        from_x = x_f32[x_row[:, j]]
+        from_cache = torch.where(in_cache[:, j, None, None], cached[:, j].float(), 0.0)
+        acc = acc + weight_f32[j] * torch.where(in_step[:, j, None, None], from_x, from_cache)
     if silu:
         acc = silu_fp32(acc)
     if residual:
         acc = acc + x_f32
-    y = torch.where(is_real[:, None], acc, 0.0).to(x.dtype)
+    y = torch.where(is_real[:, None, None], acc, 0.0).to(x.dtype).view(num_tokens, num_heads * width)
 
     # Stores after all reads: the reads see the cache as it was before the step.
     slot = slot_mapping.to(torch.int64)
     stores = is_real & (slot >= 0)
-    slot = slot[stores]
-    stream[slot // block_size, :, slot % block_size] = x[stores].view(-1, num_heads, width)
+    put_rows_(stream, (slot // block_size, slot % block_size), x.view(num_tokens, num_heads, width), stores)
     return y
