@@ -14,7 +14,8 @@ import torch
 
 from stepops._meta.csa_ring_update import check_csa_ring_update_args
 from stepops.layouts import REGION_SIZE
-from stepops.ops.bounds import check_ids
+from stepops.ops.bounds import IdCheck, any_bad_ids, bad_ids_error
+from stepops.ops.put_rows import put_rows_
 
 # exp_fp32's constants, each exactly an fp32 value (written in hex), so that every implementation uses the
 # same number whatever precision it converts a Python float in. Cody-Waite reduction and the Cephes expf
@@ -157,8 +158,8 @@ def csa_ring_update_torch(
         capacity,
         errors,
     )
-    proxy_dim = index_k.shape[1]
-    token = torch.arange(index_k.shape[0], device=index_k.device)
+    proxy_dim, num_tokens, num_rows = index_k.shape[1], index_k.shape[0], ring.shape[0]
+    token = torch.arange(num_tokens, device=index_k.device)
     position = token_position.long()
     chunk_start = token_chunk_start.long()
     chunk_len = token_chunk_len.long()
@@ -166,29 +167,35 @@ def csa_ring_update_torch(
     slot = token_summary_slot.long()
     real = position >= 0
     # Every id that becomes an address is checked before anything is written.
-    num_tokens, op = index_k.shape[0], "csa_ring_update"
-    check_ids(op, "token_chunk_start", chunk_start, token + 1, where=real, padding=False,
-              expected="in [0, t] for a real token t (the row of its request's first token in this step)")
-    check_ids(op, "token_chunk_len", chunk_len, num_tokens - chunk_start + 1, where=real, padding=False,
-              expected=f"in [0, {num_tokens} - chunk_start] for a real token (its chunk inside the step)")
-    check_ids(op, "token_position", position - (token - chunk_start), 2**62, where=real, padding=False,
-              expected="at least t - chunk_start for a real token t (its request's first position >= 0)")
-    check_ids(op, "token_ring_base", ring_base, ring.shape[0] - capacity + 1, where=real, padding=False,
-              expected=f"in [0, {ring.shape[0] - capacity}] for a real token (its ring's rows inside ring)")
-    check_ids(op, "token_summary_slot", slot, summary_cache.shape[0])
+    checks = (
+        IdCheck("token_chunk_start", chunk_start, token + 1, where=real, padding=False,
+                expected="in [0, t] for a real token t (the row of its request's first token in this step)"),
+        IdCheck("token_chunk_len", chunk_len, num_tokens - chunk_start + 1, where=real, padding=False,
+                expected=f"in [0, {num_tokens} - chunk_start] for a real token (its chunk inside the step)"),
+        IdCheck("token_position", position - (token - chunk_start), 2**62, where=real, padding=False,
+                expected="at least t - chunk_start for a real token t (its request's first position >= 0)"),
+        IdCheck("token_ring_base", ring_base, num_rows - capacity + 1, where=real, padding=False,
+                expected=f"in [0, {num_rows - capacity}] for a real token (its ring's rows inside ring)"),
+        IdCheck("token_summary_slot", slot, summary_cache.shape[0]),
+    )  # fmt: skip
+    if bool(any_bad_ids(checks)):  # the one host read (stepops.ops.bounds)
+        raise bad_ids_error("csa_ring_update", checks)
 
-    # 1. Replays, all reading the ring before step 2 stores anything.
+    # 1. Replays, all reading the ring before step 2 stores anything. Only the closing tokens replay: their
+    #    number depends on the data (compiled, a second graph break), but replaying every token would fold up
+    #    to 8 times the rows.
     closes = real & (position % REGION_SIZE == REGION_SIZE - 1) & (slot >= 0)
-    t, p, c, b = token[closes], position[closes], chunk_start[closes], ring_base[closes]
+    t = closes.nonzero().squeeze(1)
+    p, c, b = position[t], chunk_start[t], ring_base[t]
     j = torch.arange(REGION_SIZE, device=index_k.device)
     flat = t[:, None] - (REGION_SIZE - 1) + j  # [C, 8] flat index of row j if it is in this step
     in_step = flat >= c[:, None]
     ring_row = b[:, None] + (p[:, None] - (REGION_SIZE - 1) + j) % capacity
-    step_rows = torch.cat([index_k, index_z], dim=1)[flat.clamp(min=0)]  # [C, 8, 2P]
-    rows = torch.where(in_step[..., None], step_rows, ring[ring_row]).to(torch.float32)
+    step_rows = torch.cat([index_k, index_z], dim=1)  # [T, 2P]
+    rows = torch.where(in_step[..., None], step_rows[flat.clamp(min=0)], ring[ring_row]).to(torch.float32)
     summary = fold_region(rows[..., :proxy_dim], rows[..., proxy_dim:])
-    store_summaries(summary_cache, slot[closes], summary)
+    store_summaries(summary_cache, slot[t], summary)
 
     # 2. Stores: only the last `capacity` tokens of each request, so every stored ring row is distinct.
     stores = real & (token - chunk_start >= chunk_len - capacity)
-    ring[ring_base[stores] + position[stores] % capacity] = torch.cat([index_k[stores], index_z[stores]], dim=1)
+    put_rows_(ring, (ring_base + position % capacity,), step_rows, stores)
