@@ -342,16 +342,21 @@ class InklingConvStateLayout:
         hd, hph = self.head_dim, self.hidden_per_head
         return ((0, hd), (hd, hd), (2 * hd, hph), (2 * hd + hph, hph))
 
-    def stream_range(self, stream: InklingStream) -> tuple[int, int]:
-        """``(offset, width)`` inside ``D`` of ``stream``.
+    def stream_range(self, streams: InklingStream | tuple[InklingStream, ...]) -> tuple[int, int]:
+        """``(offset, width)`` inside ``D`` of one stream, or of streams adjacent in packing order taken as
+        one (``(K, V)``: offset 0, width ``2 * head_dim``, which one sconv call serves); ``ValueError`` for
+        an unknown or non-adjacent stream.
 
         Indexes by ``int(stream)``: Dynamo (torch 2.13) recurses without end on ``InklingStream(x)`` and on
         indexing a tuple with an IntEnum, and this is called inside compiled layers.
         """
-        index = int(stream)
-        if not 0 <= index < len(InklingStream):
-            raise ValueError(f"stream must be one of {[s.name for s in InklingStream]}, got {stream!r}")
-        return self.stream_ranges[index]
+        indices = [int(stream) for stream in (streams if isinstance(streams, tuple) else (streams,))]
+        if not indices or not all(0 <= index < len(InklingStream) for index in indices):
+            raise ValueError(f"stream must be one of {[s.name for s in InklingStream]}, got {streams!r}")
+        if any(b != a + 1 for a, b in zip(indices, indices[1:])):
+            names = [InklingStream(index).name for index in indices]
+            raise ValueError(f"streams {names} are not adjacent in packing order")
+        return self.stream_ranges[indices[0]][0], sum(self.stream_ranges[index][1] for index in indices)
 
     def _block_size(self, block_size: int | None) -> int:
         if block_size is None:

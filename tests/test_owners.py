@@ -452,8 +452,30 @@ def test_conv_runs_one_stream_at_its_offset():
     assert torch.equal(cache, expected)
     with pytest.raises(ValueError, match=r"K stream input must be \[T, 64\]"):
         conv.conv(InklingStream.K, x[:, :32], weight, block_table, metadata)
-    with pytest.raises(TypeError, match="stream must be an InklingStream, got 1"):
+    with pytest.raises(TypeError, match="streams must be an InklingStream or a tuple of them, got 1"):
         conv.conv(1, x, weight, block_table, metadata)
+
+
+def test_conv_runs_adjacent_streams_in_one_call_as_the_separate_calls():
+    """K and V in one call (head h owns [k_h | v_h]): the outputs and cache bytes of a K call and a V call."""
+    fused, separate = _conv_state({}), _conv_state({})  # H = 4, K at [0, 16), V at [16, 32) of D = 128
+    for state in (fused, separate):
+        state.bind_kv_cache(torch.full((2, 4, 4, 128), -5.0, dtype=torch.bfloat16))
+    k, v = torch.randn(2, 3, 4, 16).to(torch.bfloat16)
+    w_k, w_v = torch.randn(2, 4, 16, 4)
+    block_table = torch.tensor([[1]], dtype=torch.int32)
+    metadata = fused.metadata_builder().build(torch.tensor([0, 3]), torch.tensor([3]), block_table, 3)
+    x_kv = torch.stack([k, v], 2).reshape(3, 4 * 32)  # per head: its 16 K channels, then its 16 V channels
+    w_kv = torch.stack([w_k, w_v], 1).reshape(4 * 32, 4)
+    y = fused.conv((InklingStream.K, InklingStream.V), x_kv, w_kv, block_table, metadata).view(3, 4, 2, 16)
+    y_k = separate.conv(InklingStream.K, k.flatten(1), w_k.flatten(0, 1), block_table, metadata)
+    y_v = separate.conv(InklingStream.V, v.flatten(1), w_v.flatten(0, 1), block_table, metadata)
+    assert torch.equal(y[:, :, 0].flatten(1), y_k) and torch.equal(y[:, :, 1].flatten(1), y_v)
+    assert torch.equal(fused.kv_cache, separate.kv_cache)
+    with pytest.raises(ValueError, match=r"streams \['K', 'ATTN_OUT'\] are not adjacent"):
+        fused.conv((InklingStream.K, InklingStream.ATTN_OUT), x_kv, w_kv, block_table, metadata)
+    with pytest.raises(ValueError, match=r"K\+V stream input must be \[T, 128\]"):
+        fused.conv((InklingStream.K, InklingStream.V), k.flatten(1), w_kv, block_table, metadata)
 
 
 @pytest.mark.parametrize("num_tokens, num_requests", [(0, 1), (2, 0), (0, 0)])

@@ -22,3 +22,11 @@ def count_error(errors_ptr, bad, HAS_ERRORS: tl.constexpr):
     if HAS_ERRORS:
         if bad:
             tl.atomic_add(errors_ptr, 1)
+
+
+@triton.jit
+def block_and(mask, cond):
+    """``mask & cond`` for a block ``mask`` and a scalar ``cond`` (one per program, e.g. from a token's
+    metadata), as a block mask. Written out because triton 3.9's interpreter gives ``mask & cond`` an int32
+    payload that ``tl.load`` rejects as a mask; on a GPU the scalar stays uniform, no per-lane work."""
+    return mask & (cond.to(tl.int32) + tl.zeros_like(mask.to(tl.int32)) != 0)

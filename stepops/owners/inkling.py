@@ -139,7 +139,7 @@ class InklingConvState(nn.Module):
 
     def conv(
         self,
-        stream: InklingStream,
+        streams: InklingStream | tuple[InklingStream, ...],
         x: torch.Tensor,
         weight: torch.Tensor,
         block_table: torch.Tensor,
@@ -150,20 +150,25 @@ class InklingConvState(nn.Module):
         errors: torch.Tensor | None = None,
         validate: bool = False,
     ) -> torch.Tensor:
-        """Run ``stream``'s short conv on ``x`` ``[T, H * width]`` bf16 with ``weight`` ``[H * width, W]``:
-        store each token's input in the bound cache and return ``y`` ``[T, H * width]`` bf16
-        (see :func:`stepops.sconv`; ``errors`` is its optional device-side count of tokens with
-        out-of-range ids)."""
+        """Run the short conv of one stream, or of streams adjacent in ``D`` in one launch, on ``x``
+        ``[T, H * width]`` bf16 with ``weight`` ``[H * width, W]`` (``width``: the streams' widths summed;
+        head ``h`` owns ``x`` columns ``[h * width, (h + 1) * width)``, each stream's part in packing
+        order): store each token's input in the bound cache and return ``y`` ``[T, H * width]`` bf16 (see
+        :func:`stepops.sconv`; ``errors`` is its optional device-side count of tokens with out-of-range
+        ids). ``(InklingStream.K, InklingStream.V)`` is the layers' K+V call: ``[k_h | v_h]`` per head."""
         if self.kv_cache.dim() != 4:
             raise ValueError(f"Inkling conv state {self.prefix} has no cache bound yet")
+        given = streams
+        streams = streams if isinstance(streams, tuple) else (streams,)
         # isinstance and .value, not InklingStream(stream) or an IntEnum index: Dynamo (torch 2.13) recurses
         # without end on both.
-        if not isinstance(stream, InklingStream):
-            raise TypeError(f"stream must be an InklingStream, got {stream!r}")
-        offset, width = self.stream_ranges[stream.value]
+        if not streams or not all(isinstance(stream, InklingStream) for stream in streams):
+            raise TypeError(f"streams must be an InklingStream or a tuple of them, got {given!r}")
+        offset, width = self.layout.stream_range(streams)
         if x.dim() != 2 or x.shape[1] != self.num_kv_heads * width:
+            names = "+".join(stream.name for stream in streams)
             raise ValueError(
-                f"{stream.name} stream input must be [T, {self.num_kv_heads * width}] (H * width), got {tuple(x.shape)}"
+                f"{names} stream input must be [T, {self.num_kv_heads * width}] (H * width), got {tuple(x.shape)}"
             )
         return sconv(
             x, weight, self.kv_cache, block_table, metadata, offset, residual=residual, silu=silu, errors=errors,

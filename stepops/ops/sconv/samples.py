@@ -3,12 +3,14 @@
 All samples use one small Inkling layout (2 KV heads, head_dim 8, hidden 32, W = 4, so D = 64 with the
 streams K [0, 8), V [8, 16), attention output [16, 32), MLP output [32, 48)) and cover: T = 1, ragged
 steps mixing prefill, decode and verify tokens, padding, block-boundary crossings, random block tables,
-an enlarged block size (N = 8W), all four streams, residual on/off, SiLU, fp32 weights and a
-page-strided cache. Two use widths the Triton kernel must mask: 12 and 20 channels per head (not powers
+an enlarged block size (N = 8W), all four streams, K and V in one call (as the models run them), residual
+on/off, SiLU, fp32 weights, tap-major weights (stride 1 along channels, as the models store them) and a
+page-strided cache. With 3 KV heads of a 16-channel K+V range, one Triton program covers several heads and
+masks the heads past H. Two use widths the Triton kernel must mask: 12 and 20 channels per head (not powers
 of two, so part of each channel block is masked off) and 1100 (wider than the kernel's 1024-channel block,
-so a second, partly masked program per head runs). Two more use the illustrative production layout
-(D = 2048, widths 128 and 512) so that the GPU-build check compiles the kernel configurations a real
-model launches.
+so a second, partly masked program per head runs). Three more use the illustrative production layout
+(D = 2048: K alone, 128 wide; K+V, 256; MLP output, 512) so that the GPU-build check compiles the kernel
+configurations a real model launches.
 """
 
 from __future__ import annotations
@@ -27,6 +29,9 @@ SAMPLE_LAYOUT = InklingConvStateLayout(num_kv_heads=2, head_dim=8, hidden_size=3
 ODD_WIDTH_LAYOUT = InklingConvStateLayout(num_kv_heads=2, head_dim=12, hidden_size=40, kernel_size=4)
 # MLP output width 1100 > the Triton kernel's 1024-channel block: two programs per head, the second 76 wide.
 WIDE_LAYOUT = InklingConvStateLayout(num_kv_heads=1, head_dim=8, hidden_size=1100, kernel_size=4)
+# 3 KV heads: a Triton program spans several heads (16-channel K+V ranges), the last ones masked.
+THREE_HEAD_LAYOUT = InklingConvStateLayout(num_kv_heads=3, head_dim=8, hidden_size=48, kernel_size=4)
+KV = (InklingStream.K, InklingStream.V)  # the models' one call for both
 
 
 def random_block_table(
@@ -75,10 +80,11 @@ def _sample(
     prior_lens: Sequence[int],
     new_lens: Sequence[int],
     num_tokens: int,
-    stream: InklingStream,
+    stream: InklingStream | tuple[InklingStream, ...],
     block_size: int | None = None,
     block_gap: int = 0,
     weight_dtype: torch.dtype = torch.bfloat16,
+    tap_major: bool = False,
     residual: bool = True,
     silu: bool = False,
     layout: InklingConvStateLayout = SAMPLE_LAYOUT,
@@ -94,6 +100,8 @@ def _sample(
     channels = layout.local_num_kv_heads * width
     x = torch.randn(num_tokens, channels, generator=generator).to(device=device, dtype=torch.bfloat16)
     weight = torch.randn(channels, layout.kernel_size, generator=generator).to(device=device, dtype=weight_dtype)
+    if tap_major:
+        weight = weight.t().contiguous().t()
     cache = sample_cache(shape, block_gap=block_gap, generator=generator, device=device)
     return SampleInput(
         name,
@@ -155,6 +163,18 @@ def samples(device: torch.device) -> Iterator[SampleInput]:
         stream=InklingStream.V,
         block_gap=96,
     )
+    yield _sample(
+        "k_plus_v_three_heads_tap_major",
+        device,
+        seed=18,
+        prior_lens=[6, 0, 3],
+        new_lens=[1, 4, 2],
+        num_tokens=8,
+        stream=KV,
+        weight_dtype=torch.float32,
+        tap_major=True,
+        layout=THREE_HEAD_LAYOUT,
+    )
     yield _sample("empty_t0", device, seed=15, prior_lens=[3], new_lens=[0], num_tokens=0, stream=InklingStream.K)
     yield _sample("no_requests_r0", device, seed=16, prior_lens=[], new_lens=[], num_tokens=2, stream=InklingStream.V)
     yield _sample(
@@ -183,15 +203,17 @@ def samples(device: torch.device) -> Iterator[SampleInput]:
         layout=WIDE_LAYOUT,
         num_blocks=4,
     )
-    for stream in (InklingStream.K, InklingStream.MLP_OUT):
+    for seed, (name, stream) in enumerate((("k", InklingStream.K), ("k_plus_v", KV), ("mlp_out", InklingStream.MLP_OUT))):
         yield _sample(
-            f"model_layout_{stream.name.lower()}",
+            f"model_layout_{name}",
             device,
-            seed=7 + stream,
+            seed=7 + 10 * seed,
             prior_lens=[6, 0],
             new_lens=[1, 3],
             num_tokens=4,
             stream=stream,
+            weight_dtype=torch.float32,
+            tap_major=True,
             layout=INKLING_EXAMPLE_LAYOUT,
             num_blocks=4,
         )

@@ -29,15 +29,17 @@ import triton
 import triton.language as tl
 
 from stepops._meta.sconv import check_sconv_args
-from stepops.ops.triton_bounds import bad_id, count_error, in_extent
+from stepops.ops.triton_bounds import bad_id, block_and, count_error, in_extent
 from stepops.ops.triton_rounding import round_fp32_to_bf16
 
 # Channels of one head per program, capped so one program's W taps (W x-rows + W cache rows of BLOCK_W
 # bf16, plus the weights) stay in registers.
 _MAX_BLOCK_W = 1024
-# bf16 channels per thread: 8 is one 128-bit access. Warps = BLOCK_W // (32 * 8), at least one and at most
-# four (a 128-wide head then gets one warp of 4 channels per thread: 64-bit accesses).
+# bf16 channels per thread: 8 is one 128-bit access. A program covers at least one warp's worth (32 x 8 =
+# 256 channels): a 128-wide stream takes two heads per program, so its accesses are 128-bit too. Warps =
+# channels per program // 256, at most four.
 _CHANNELS_PER_THREAD = 8
+_CHANNELS_PER_WARP = 32 * _CHANNELS_PER_THREAD
 _MAX_NUM_WARPS = 4
 
 
@@ -61,6 +63,7 @@ def _sconv_kernel(
     y_ptr,  # [T, H * width] bf16, written
     errors_ptr,  # [1] int32, or any pointer when HAS_ERRORS is off
     num_tokens,
+    num_heads,
     width,
     block_size,
     num_blocks,
@@ -81,81 +84,85 @@ def _sconv_kernel(
     KERNEL_SIZE: tl.constexpr,
     RESIDUAL: tl.constexpr,
     SILU: tl.constexpr,
-    BLOCK_W: tl.constexpr,
+    HEADS: tl.constexpr,  # heads per program
+    BLOCK_W: tl.constexpr,  # channels of each head per program
     HAS_ERRORS: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
-    column = tl.program_id(2) * BLOCK_W + tl.arange(0, BLOCK_W)
-    channel_mask = column < width
-    channel = head * width + column  # this head's channels of x, y and the weight
+    head = tl.program_id(1) * HEADS + tl.arange(0, HEADS)  # [HEADS]
+    column = tl.program_id(2) * BLOCK_W + tl.arange(0, BLOCK_W)  # [BLOCK_W], inside each head's stream
+    tile = (head < num_heads)[:, None] & (column < width)[None, :]  # [HEADS, BLOCK_W]
+    channel = head[:, None] * width + column[None, :]  # this tile's channels of x, y and the weight
 
-    # Token scalars are broadcast over the channel block, so every mask below is built from block-shaped
-    # comparisons: triton 3.9's interpreter gives a splatted scalar bool an int32 payload, which tl.load
-    # rejects as a mask. On a GPU the broadcast loads of one address cost one transaction per warp.
-    # Every data-derived address is masked to its tensor's extent (stepops.ops.bounds): a token whose
-    # request, chunk start or slot is out of range, or that reads a block past the cache, reads zeros
-    # there, writes nothing there, and is counted once (by its program for head 0, channel block 0).
-    request_id = tl.load(token_request_ptr + token).to(tl.int64)
+    # The token's metadata are scalars, loaded once, all four at the same time; every address below that
+    # depends on them is masked to its tensor's extent (stepops.ops.bounds): a token whose request, chunk
+    # start or slot is out of range, or that reads a block past the cache, reads zeros there, writes
+    # nothing there, and is counted once (by its first head group and channel block).
+    request = tl.load(token_request_ptr + token).to(tl.int64)
     chunk_start = tl.load(token_chunk_start_ptr + token).to(tl.int64)
-    slot_id = tl.load(slot_mapping_ptr + token).to(tl.int64)
-    real_id = in_extent(request_id, num_requests)
-    bad = bad_id(request_id, num_requests) | (
-        real_id & ((chunk_start < 0) | (chunk_start > token) | bad_id(slot_id, num_blocks * block_size))
-    )
-    zero = tl.zeros([BLOCK_W], dtype=tl.int64)
-    request = request_id + zero
+    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+    position = tl.load(token_position_ptr + token).to(tl.int64)
     is_real = in_extent(request, num_requests)
-    position = tl.load(token_position_ptr + token).to(tl.int64) + zero
+    bad = bad_id(request, num_requests) | (
+        is_real & ((chunk_start < 0) | (chunk_start > token) | bad_id(slot, num_blocks * block_size))
+    )
     first_position = position - (token - chunk_start)
-    slot = slot_id + zero
 
     # Offset of each channel inside one cache slot: its head, then its place in the stream's D-range.
-    cache_channel = head.to(tl.int64) * stride_cache_head + (stream_offset + column).to(tl.int64) * stride_cache_dim
+    cache_channel = (
+        head[:, None].to(tl.int64) * stride_cache_head + (stream_offset + column)[None, :].to(tl.int64) * stride_cache_dim
+    )
     x_channel = channel.to(tl.int64) * stride_x_channel
 
-    acc = tl.zeros([BLOCK_W], dtype=tl.float32)
+    acc = tl.zeros([HEADS, BLOCK_W], dtype=tl.float32)
+    one = tl.arange(0, 1)
+    bad_block = one < 0  # [1]: a tap read a block past the cache
     for j in tl.static_range(KERNEL_SIZE):
         q = position - (KERNEL_SIZE - 1) + j
         in_step = is_real & (q >= first_position)
         in_cache = is_real & (q >= 0) & (q < first_position)
-        x_row = token - (KERNEL_SIZE - 1 - j) + zero
+        x_row = token - (KERNEL_SIZE - 1 - j)
         from_x = tl.load(
             x_ptr + x_row * stride_x_token + x_channel,
-            mask=channel_mask & in_step & in_extent(x_row, num_tokens),
+            mask=block_and(tile, in_step & in_extent(x_row, num_tokens)),
             other=0.0,
         ).to(tl.float32)
-        # Masked-off lanes still form addresses: keep them non-negative.
+        # Masked-off addresses are still formed: keep them non-negative.
         q_safe = tl.maximum(q, 0)
-        column = q_safe // block_size
+        block_column = q_safe // block_size
         # An unallocated block (a column past the table, or a negative entry) is a zero tap, as in the
         # PyTorch kernel: its table entry and its cache row are never read.
-        in_table = in_cache & (column < max_blocks)
+        in_table = in_cache & (block_column < max_blocks)
+        # The table entry as a one-element block (a scalar load cannot take the scalar mask, see block_and),
+        # broadcast over the tile as it is: no reduction between it and the cache load it addresses.
+        in_table_1 = block_and(one == 0, in_table)
         block = tl.load(
-            block_table_ptr + request * stride_table_request + column * stride_table_block,
-            mask=channel_mask & in_table,
+            block_table_ptr + tl.maximum(request, 0) * stride_table_request + block_column * stride_table_block
+            + one,
+            mask=in_table_1,
             other=-1,
-        ).to(tl.int64)
-        block_bad = in_table & (block >= num_blocks)
-        bad = bad | (tl.max(block_bad.to(tl.int32), axis=0) > 0)
-        allocated = in_table & in_extent(block, num_blocks)
+        ).to(tl.int64)  # [1]
+        bad_block = bad_block | (in_table_1 & (block >= num_blocks))
+        allocated = in_table_1 & in_extent(block, num_blocks)
         from_cache = tl.load(
             cache_ptr + tl.maximum(block, 0) * stride_cache_block + (q_safe % block_size) * stride_cache_slot
             + cache_channel,
-            mask=channel_mask & allocated,
+            mask=tile & allocated,
             other=0.0,
         ).to(tl.float32)
-        tap = tl.where(in_step, from_x, from_cache)
-        w = tl.load(weight_ptr + channel * stride_weight_channel + j * stride_weight_tap, mask=channel_mask, other=0.0)
-        acc = acc + w.to(tl.float32) * tap
+        tap_j = tl.where(in_step, from_x, from_cache)
+        # Tap j of the tile's channels: one contiguous vector load per thread when the weight is stored
+        # tap-major (stride 1 along channels, as the models keep it), strided element loads otherwise.
+        w_j = tl.load(weight_ptr + channel * stride_weight_channel + j * stride_weight_tap, mask=tile, other=0.0)
+        acc = acc + w_j.to(tl.float32) * tap_j
 
     if SILU:
         acc = silu_fp32(acc)
     # A padding token's taps and residual are all masked to 0, so its row of y is 0 (silu(0) = 0 too).
-    x_own = tl.load(x_ptr + token * stride_x_token + x_channel, mask=channel_mask & is_real, other=0.0)
+    x_own = tl.load(x_ptr + token * stride_x_token + x_channel, mask=block_and(tile, is_real), other=0.0)
     if RESIDUAL:
         acc = acc + x_own.to(tl.float32)
-    tl.store(y_ptr + token * stride_y_token + channel, round_fp32_to_bf16(acc).to(tl.bfloat16), mask=channel_mask)
+    tl.store(y_ptr + token * stride_y_token + channel, round_fp32_to_bf16(acc).to(tl.bfloat16), mask=tile)
 
     stores = is_real & in_extent(slot, num_blocks * block_size)
     slot_safe = tl.where(stores, slot, 0)
@@ -163,9 +170,10 @@ def _sconv_kernel(
         cache_ptr + (slot_safe // block_size) * stride_cache_block + (slot_safe % block_size) * stride_cache_slot
         + cache_channel,
         x_own,
-        mask=channel_mask & stores,
+        mask=block_and(tile, stores),
     )
-    count_error(errors_ptr, bad & (head == 0) & (tl.program_id(2) == 0), HAS_ERRORS)
+    bad = bad | (tl.max(bad_block.to(tl.int32), axis=0) > 0)
+    count_error(errors_ptr, bad & (tl.program_id(1) == 0) & (tl.program_id(2) == 0), HAS_ERRORS)
 
 
 def sconv_triton(
@@ -182,7 +190,8 @@ def sconv_triton(
     silu: bool = False,
     errors: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Launch :func:`_sconv_kernel` on grid ``(T, H, cdiv(width, BLOCK_W))``; semantics of ``sconv_torch``."""
+    """Launch :func:`_sconv_kernel` on grid ``(T, cdiv(H, HEADS), cdiv(width, BLOCK_W))``; semantics of
+    ``sconv_torch``."""
     num_tokens, num_heads, width, kernel_size, block_size = check_sconv_args(
         x, weight, cache, block_table, token_request, token_chunk_start, slot_mapping, token_position,
         stream_offset, errors,
@@ -192,7 +201,8 @@ def sconv_triton(
     if num_tokens == 0:
         return y
     block_w = min(triton.next_power_of_2(width), _MAX_BLOCK_W)
-    grid = (num_tokens, num_heads, triton.cdiv(width, block_w))
+    heads = min(max(_CHANNELS_PER_WARP // block_w, 1), triton.next_power_of_2(num_heads))
+    grid = (num_tokens, triton.cdiv(num_heads, heads), triton.cdiv(width, block_w))
     _sconv_kernel[grid](
         x,
         weight,
@@ -205,6 +215,7 @@ def sconv_triton(
         y,
         slot_mapping if errors is None else errors,  # any pointer when there is no counter: never touched
         num_tokens,
+        num_heads,
         width,
         block_size,
         cache.shape[0],
@@ -222,9 +233,10 @@ def sconv_triton(
         KERNEL_SIZE=kernel_size,
         RESIDUAL=residual,
         SILU=silu,
+        HEADS=heads,
         BLOCK_W=block_w,
         HAS_ERRORS=errors is not None,
-        num_warps=min(max(block_w // (32 * _CHANNELS_PER_THREAD), 1), _MAX_NUM_WARPS),
+        num_warps=min(max(heads * block_w // _CHANNELS_PER_WARP, 1), _MAX_NUM_WARPS),
         # Separate rounding of every product and sum, as in the PyTorch kernel, so GPU and CPU agree bit
         # for bit; the kernel is memory-bound, the lost FMAs cost nothing measurable.
         enable_fp_fusion=False,
