@@ -1,7 +1,8 @@
-"""``stepops::sconv``: Inkling's store-and-convolve of one conv stream over a ragged step.
+"""``stepops::sconv``: Inkling's store-and-convolve over a ragged step, as the layers call it for K and V.
 
 Shape: the Llama-8B-sized Inkling layout of the layout CLI's defaults (8 KV heads, head_dim 128, hidden
-4096, W = 4, so D = 2048, N = W = 4), the K stream (128 channels per head, 1024 in all), bf16 weights.
+4096, W = 4, so D = 2048, N = W = 4), the K and V streams in one call (256 channels per head, 2048 in all),
+fp32 weights stored tap-major, as the models keep them.
 Only the blocks a step touches are distinct cache blocks; every older block-table entry points at block 0,
 which nothing reads or writes (as a sliding-window engine points freed blocks at a null block).
 """
@@ -21,7 +22,7 @@ from stepops.testing import TOLERANCES
 
 OP = "sconv"
 FLOOR = (
-    "x read (real T x C x 2 B) + weight (C x W x 2 B) + 4 metadata tensors (4 x T x 4 B) + history taps "
+    "x read (real T x C x 2 B) + weight (C x W x 4 B) + 4 metadata tensors (4 x T x 4 B) + history taps "
     "(per request min(W-1, p0) rows x C x 2 B, and their block-table entries x 4 B) + y written (T x C x 2 B) "
     "+ stored rows (T x C x 2 B)"
 )
@@ -62,7 +63,7 @@ def _workload(case: Case, device: torch.device, offset: int, width: int, salt: s
     metadata = step_metadata(prior_lens, new_lens, table.to(device), block_size, tokens)
     channels = heads * width
     x = torch.randn(tokens, channels, generator=gen).to(device=device, dtype=torch.bfloat16)
-    weight = torch.randn(channels, kernel_size, generator=gen).to(device=device, dtype=torch.bfloat16)
+    weight = torch.randn(kernel_size, channels, generator=gen).to(device=device).t()  # fp32, tap-major
     cache_shape = LAYOUT.cache_shape(num_blocks)
     cache = torch.rand(cache_shape, generator=gen).to(device=device, dtype=torch.bfloat16)
 
@@ -83,20 +84,23 @@ def _workload(case: Case, device: torch.device, offset: int, width: int, salt: s
     return Workload((x, weight, cache, table.to(device), *metadata, offset), floor)
 
 
+KV = (InklingStream.K, InklingStream.V)
+
+
 def build(case: Case, device: torch.device) -> Workload:
-    return _workload(case, device, *LAYOUT.stream_range(InklingStream.K))
+    return _workload(case, device, *LAYOUT.stream_range(KV))
 
 
 naive = sconv_reference
 
 
 def extras(settings: Settings, median_us: Callable[..., float]) -> dict[str, Any]:
-    """Would a fused K+V sconv pay? Two launches (K, then V) against one launch over both streams.
+    """What the layers' one K+V call saves: two launches (K, then V) against the one over both streams.
 
     K ``[0, hd)`` and V ``[hd, 2hd)`` are adjacent in each head's D, so one sconv call of width ``2 hd``
-    (head ``h`` owning ``[k_h | v_h]``) moves exactly the bytes of both calls: its time is what a fused
-    op could reach. On CPU this times the PyTorch kernel, where per-call cost is Python; the answer that
-    matters is the CUDA one (``benchmarks/gpu_check.sh``).
+    (head ``h`` owning ``[k_h | v_h]``) moves exactly the bytes of both calls. On CPU this times the
+    PyTorch kernel, where per-call cost is Python; the answer that matters is the CUDA one
+    (``benchmarks/gpu_check.sh``).
     """
     from stepops._library import registered_ops
 
@@ -107,7 +111,7 @@ def extras(settings: Settings, median_us: Callable[..., float]) -> dict[str, Any
     for case in (decode(1), decode(256), verify(64)) if not settings.quick else (decode(1), decode(256)):
         k = _workload(case, settings.device, k_offset, k_width, "k").args
         v = _workload(case, settings.device, v_offset, v_width, "v").args
-        kv = _workload(case, settings.device, k_offset, k_width + v_width, "kv")
+        kv = _workload(case, settings.device, *LAYOUT.stream_range(KV), "kv")
         two = median_us(lambda: (op(*k), op(*v)), settings)
         one = median_us(lambda: op(*kv.args), settings)
         rows.append({"case": case.name, "floor_bytes_both": kv.floor_bytes, "two_launches_us": two,

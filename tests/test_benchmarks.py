@@ -89,10 +89,10 @@ def test_floors_counted_by_hand():
     cpu = torch.device("cpu")
     # paged_kv_write: one int32 slot; 8 heads x (128 + 128) bf16 read, the same written.
     assert harness.load_module("paged_kv_write").build(decode(1), cpu).floor_bytes == 4 + 2 * 8 * 256 * 2
-    # sconv, K stream, 1024 channels, W = 4: x, weight [1024, 4], 4 int32 metadata, 3 history rows and one
-    # block-table entry (positions 1020..1022 share a block of N = 4), y, the stored row.
-    row = 1024 * 2
-    assert harness.load_module("sconv").build(decode(1), cpu).floor_bytes == row + 1024 * 4 * 2 + 16 + 3 * row + 4 + row + row
+    # sconv, K and V in one call, 2048 channels, W = 4: x, fp32 weight [2048, 4], 4 int32 metadata, 3 history
+    # rows and one block-table entry (positions 1020..1022 share a block of N = 4), y, the stored row.
+    row = 2048 * 2
+    assert harness.load_module("sconv").build(decode(1), cpu).floor_bytes == row + 2048 * 4 * 4 + 16 + 3 * row + 4 + row + row
     # csa_ring_update, P = 256: the token's row, 5 int32 metadata, 7 replayed ring rows (positions
     # 1016..1022), the stored row, one bf16 summary of 256.
     ring_row = 2 * 256 * 2

@@ -3,8 +3,8 @@
 A step takes the step's flattened tokens (ids ``[T]`` int64, or hidden states ``[T, hidden]`` bf16) and
 its :class:`InklingStepMetadata`; each decoder layer maps ``[T, hidden]`` to ``[T, hidden]``:
 
-    h = RMSNorm(x);  q, k, v, r = q_proj(h), k_proj(h), v_proj(h), r_proj(h)
-    k = sconv_K(k);  v = sconv_V(v)                  (short convs before the q/k norm)
+    h = RMSNorm(x);  q, [k|v], r = q_proj(h), kv_proj(h), r_proj(h)
+    [k|v] = sconv_K+V([k|v])                         (short convs before the q/k norm, one launch)
     q, k = RMSNorm_q(q), RMSNorm_k(k) per head       (no rope: a relative position bias instead)
     bias[t, h, d] = r[t, h] . rel_proj[:, d] for backward distance 0 <= d < rel_extent, else 0
     global layers with log scaling: q, bias *= 1 + alpha log(max((pos + 1) / n_floor, 1))
@@ -18,7 +18,11 @@ and ``rel_extent = sliding_window``. The model: ``RMSNorm(embed(ids))`` -> layer
 ``lm_head(x / logits_mup_width_multiplier)`` -> the first ``unpadded_vocab_size`` logits.
 
 Each short conv is ``stepops::sconv`` (width ``W``, its own residual, fp32, fp32 weights, rounded once) on
-its stream's range of the layer's one conv-state cache (:class:`stepops.owners.InklingConvState`); the
+its stream's range of the layer's one conv-state cache (:class:`stepops.owners.InklingConvState`). The K and
+V streams are adjacent in each head's ``D``, so transformers' ``k_proj``/``v_proj`` and their conv weights
+are kept fused, rows per KV head ``[k_h | v_h]`` (:func:`fuse_kv`): one GEMM and one sconv launch serve
+both. The conv weights are stored tap-major (stride 1 along channels), so each tap's weights of a Triton
+program are one contiguous vector load; the
 attention KV cache is a :class:`stepops.owners.PagedAttentionLayer`. Both follow the layer's own heads and
 head size and are allocated and bound by :func:`stepops.allocator.allocate_kv_caches`.
 
@@ -180,6 +184,24 @@ def _linear(in_features: int, out_features: int, dtype: torch.dtype) -> nn.Linea
     return nn.Linear(in_features, out_features, bias=False, dtype=dtype)
 
 
+def _conv_weight(channels: int, kernel_size: int) -> nn.Parameter:
+    """An fp32 ``[channels, W]`` conv weight stored tap-major: loading a state dict copies into it, and
+    ``.to()`` preserves its strides."""
+    return nn.Parameter((torch.randn(kernel_size, channels) * 0.3).t())
+
+
+def fuse_kv(k: torch.Tensor, v: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    """K rows and V rows ``[H * hd, ...]`` each -> ``[2 * H * hd, ...]`` with rows per head ``[k_h | v_h]``:
+    the layout of ``kv_proj.weight`` and ``conv_kv`` (transformers' ``k_proj``/``v_proj`` and their convs)."""
+    return torch.stack([k.unflatten(0, (num_kv_heads, -1)), v.unflatten(0, (num_kv_heads, -1))], 1).flatten(0, 2)
+
+
+def split_kv(kv: torch.Tensor, num_kv_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inverse of :func:`fuse_kv`: ``(k, v)`` rows (views)."""
+    per_head = kv.unflatten(0, (num_kv_heads, 2, -1))
+    return per_head[:, 0].flatten(0, 1), per_head[:, 1].flatten(0, 1)
+
+
 def _randn(*shape: int, dtype: torch.dtype, std: float = 0.02) -> nn.Parameter:
     return nn.Parameter(torch.randn(*shape, dtype=torch.float32).mul_(std).to(dtype))
 
@@ -318,8 +340,7 @@ class InklingDecoderLayer(nn.Module):
         local_hidden = c.hidden_size // tp.size
         self.input_norm = InklingRMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
         self.q_proj = _linear(c.hidden_size, self.num_heads * self.head_dim, dtype)
-        self.k_proj = _linear(c.hidden_size, kv_width, dtype)
-        self.v_proj = _linear(c.hidden_size, kv_width, dtype)
+        self.kv_proj = _linear(c.hidden_size, 2 * kv_width, dtype)  # rows per KV head: [k_h | v_h]
         self.r_proj = _linear(c.hidden_size, self.num_heads * c.d_rel, dtype)
         self.rel_proj = _randn(c.d_rel, self.rel_extent, dtype=dtype)
         self.q_norm = InklingRMSNorm(self.head_dim, c.rms_norm_eps, dtype)
@@ -330,12 +351,12 @@ class InklingDecoderLayer(nn.Module):
             self.mlp: nn.Module = InklingMoE(c, c.moe_intermediate_size // tp.size, dtype)
         else:
             self.mlp = InklingMLP(c.hidden_size, c.intermediate_size // tp.size, dtype)
-        # Depthwise conv weights [channels, W] (nn.Conv1d's [C, 1, W] squeezed), one per stream, fp32.
+        # Depthwise conv weights [channels, W] (nn.Conv1d's [C, 1, W] squeezed), fp32, stored tap-major; K and
+        # V fused like kv_proj.
         w = c.conv_kernel_size
-        self.conv_k = nn.Parameter(torch.randn(kv_width, w) * 0.3)
-        self.conv_v = nn.Parameter(torch.randn(kv_width, w) * 0.3)
-        self.conv_attn = nn.Parameter(torch.randn(local_hidden, w) * 0.3)
-        self.conv_mlp = nn.Parameter(torch.randn(local_hidden, w) * 0.3)
+        self.conv_kv = _conv_weight(2 * kv_width, w)
+        self.conv_attn = _conv_weight(local_hidden, w)
+        self.conv_mlp = _conv_weight(local_hidden, w)
         self.attn = PagedAttentionLayer(
             prefix=f"{prefix}.attn",
             num_kv_heads=self.num_kv_heads,
@@ -378,11 +399,10 @@ class InklingDecoderLayer(nn.Module):
         conv, table, sconv_meta = self.conv_state.conv, metadata.conv_block_table, metadata.sconv
         h = self.input_norm(hidden)
         q = self.q_proj(h).view(num_tokens, self.num_heads, head_dim)
-        k = conv(InklingStream.K, self.k_proj(h), self.conv_k, table, sconv_meta)
-        v = conv(InklingStream.V, self.v_proj(h), self.conv_v, table, sconv_meta)
+        kv = conv((InklingStream.K, InklingStream.V), self.kv_proj(h), self.conv_kv, table, sconv_meta)
+        kv = kv.view(num_tokens, self.num_kv_heads, 2, head_dim)
         q = self.scaled_query(self.q_norm(q), position)
-        k = self.k_norm(k.view(num_tokens, self.num_kv_heads, head_dim))
-        v = v.view(num_tokens, self.num_kv_heads, head_dim)
+        k, v = self.k_norm(kv[:, :, 0]), kv[:, :, 1]
         kv_cache = self.attn.kv_cache
         paged_kv_write(k, v, kv_cache[..., :head_dim], kv_cache[..., head_dim:], metadata.attn_slot_mapping)
         attn = paged_attention(
@@ -515,11 +535,9 @@ class InklingModel(nn.Module):
 # ShardRule(dim, parts) splits each of ``parts`` equal chunks along ``dim`` into tp slices.
 _LAYER_SHARDING: dict[str, ShardRule] = {
     "q_proj.weight": ShardRule(0),
-    "k_proj.weight": ShardRule(0),
-    "v_proj.weight": ShardRule(0),
+    "kv_proj.weight": ShardRule(0),  # whole heads of [k_h | v_h] rows
     "r_proj.weight": ShardRule(0),
-    "conv_k": ShardRule(0),
-    "conv_v": ShardRule(0),
+    "conv_kv": ShardRule(0),
     "conv_attn": ShardRule(0),
     "conv_mlp": ShardRule(0),
     "o_proj.weight": ShardRule(1),

@@ -15,7 +15,8 @@ Only ``json`` and ``safetensors`` are read: transformers is not imported. :data:
 :data:`ORIGINAL_WEIGHT_NAMES` map every weight name to stepops' (``docs/models.md`` prints them). The
 vision tower, the audio tower and the multi-token-prediction layers are out of scope: their weights are
 skipped with one warning that counts them. Anything else unknown, a weight the model needs that is
-missing, or a shape that does not match, is a ``ValueError`` naming it.
+missing, or a shape that does not match, is a ``ValueError`` naming it. ``k_proj``/``v_proj`` and the K and
+V conv weights are read as the halves of the layers' fused ``kv_proj.weight`` and ``conv_kv``.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from stepops.models.inkling import GLOBAL, SLIDING, InklingConfig, InklingModel
+from stepops.models.inkling import GLOBAL, SLIDING, InklingConfig, InklingModel, fuse_kv
 
 TRANSFORMERS_VERSION = "5.23.0"
 
@@ -71,7 +72,9 @@ _MODEL_NAMES = {
     "lm_head.weight": "lm_head.weight",
 }
 WEIGHT_NAMES: dict[str, str] = {**_MODEL_NAMES, **{f"model.layers.N.{k}": f"layers.N.{v}" for k, v in _LAYER_NAMES.items()}}
-"""Every transformers weight name (``N`` = layer index) -> the stepops parameter it loads into."""
+"""Every transformers weight name (``N`` = layer index) -> the stepops parameter it loads into; the K and V
+names (``k_proj.weight``, ``v_proj.weight``, ``conv_k``, ``conv_v``) are halves of the fused ``kv_proj.weight``
+and ``conv_kv``."""
 
 # The multimodal checkpoint's original layout (what save_pretrained writes by default): original name ->
 # transformers' text-model name; layer names after "model.llm.layers.N." -> after "model.layers.N.".
@@ -133,6 +136,9 @@ _LAYER_KEY = re.compile(r"model\.layers\.(\d+)\.(.+)")
 _ORIGINAL_LAYER_KEY = re.compile(r"model\.llm\.layers\.(\d+)\.(.+)")
 _LAYER_TYPES = {"hybrid_sliding": SLIDING, "hybrid": GLOBAL}
 _CONV_WEIGHTS = ("conv_k", "conv_v", "conv_attn", "conv_mlp")
+# The layers keep K and V fused, rows per KV head [k_h | v_h] (stepops.models.inkling.fuse_kv): the K and V
+# halves of a checkpoint are read under these names, then fused.
+_KV_HALVES = {"kv_proj.weight": ("k_proj.weight", "v_proj.weight"), "conv_kv": ("conv_k", "conv_v")}
 
 
 def _text_config(hf: dict[str, Any]) -> dict[str, Any]:
@@ -298,7 +304,12 @@ def load_inkling(
         )
     config = config_from_transformers(hf, block_size=block_size)
     model = InklingModel(config, dtype=dtype)
-    expected = model.state_dict()
+    expected = dict(model.state_dict())
+    for i in range(len(model.layers)):  # a fused weight is read as its K and V halves
+        for fused, halves in _KV_HALVES.items():
+            whole = expected.pop(f"layers.{i}.{fused}")
+            for half in halves:
+                expected[f"layers.{i}.{half}"] = whole.new_empty((whole.shape[0] // 2, *whole.shape[1:]))
     loaded: dict[str, torch.Tensor] = {}
     unexpected: list[str] = []
     ignored: dict[tuple[str, str], int] = {}
@@ -327,6 +338,10 @@ def load_inkling(
     missing = sorted(set(expected) - set(loaded))
     if missing:
         raise ValueError(f"{path}: missing weights (stepops names): {missing}")
+    for i, layer in enumerate(model.layers):
+        for fused, (k_half, v_half) in _KV_HALVES.items():
+            k, v = loaded.pop(f"layers.{i}.{k_half}"), loaded.pop(f"layers.{i}.{v_half}")
+            loaded[f"layers.{i}.{fused}"] = fuse_kv(k, v, layer.num_kv_heads)
     if ignored:
         warnings.warn(
             f"{path}: ignoring {_ignored_note(ignored)}: out of scope, stepops runs the Inkling text decoder only",

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from stepops.models.inkling import InklingDecoderLayer
+from stepops.models.inkling import InklingDecoderLayer, split_kv
 from stepops.ops.sconv.reference import short_conv_reference
 
 
@@ -45,8 +45,10 @@ def inkling_layer_reference(layer: InklingDecoderLayer, x: torch.Tensor) -> torc
     position = torch.arange(length, device=x.device)
     h = layer.input_norm(x)
     q = layer.q_proj(h).view(length, layer.num_heads, layer.head_dim)
-    k = short_conv_reference(layer.k_proj(h), layer.conv_k)
-    v = short_conv_reference(layer.v_proj(h), layer.conv_v)
+    # K and V each by itself, from the halves of the layer's fused weights.
+    (w_k, w_v), (conv_k, conv_v) = (split_kv(w, layer.num_kv_heads) for w in (layer.kv_proj.weight, layer.conv_kv))
+    k = short_conv_reference(F.linear(h, w_k), conv_k)
+    v = short_conv_reference(F.linear(h, w_v), conv_v)
     q = layer.scaled_query(layer.q_norm(q), position)
     k = layer.k_norm(k.view(length, layer.num_kv_heads, layer.head_dim))
     v = v.view(length, layer.num_kv_heads, layer.head_dim)

@@ -158,7 +158,7 @@ class TestGraphContents(TestCase):
             "\n".join(lines),
             """\
 Step5Model: stepops.paged_kv_write, stepops.paged_kv_write, stepops.csa_ring_update
-InklingModel: stepops.sconv, stepops.sconv, stepops.paged_kv_write, stepops.sconv, stepops.sconv, stepops.sconv, stepops.sconv, stepops.paged_kv_write, stepops.sconv, stepops.sconv""",
+InklingModel: stepops.sconv, stepops.paged_kv_write, stepops.sconv, stepops.sconv, stepops.sconv, stepops.paged_kv_write, stepops.sconv, stepops.sconv""",
         )
 
     def test_no_cudagraph_incompatible_node(self):

@@ -22,6 +22,7 @@ from safetensors import safe_open
 from test_inkling_oracle import FP32_LAYER, HF_CONFIG, VOCAB, single_file_copy
 from transformers import InklingConfig, InklingForConditionalGeneration  # the test extra pins 5.23.0
 
+from stepops.models.inkling import split_kv
 from stepops.models.inkling_checkpoint import ORIGINAL_WEIGHT_NAMES, WEIGHT_NAMES, load_inkling
 from stepops.testing.inkling_reference import inkling_layer_reference
 
@@ -102,7 +103,14 @@ def test_text_weights_are_transformers_language_model_bitwise(hf_mm, saved, layo
             layer = re.match(r"model\.layers\.(\d+)\.", text_name)
             stepops_name = WEIGHT_NAMES[generic].replace("layers.N.", f"layers.{layer.group(1)}." if layer else "")
             hf[stepops_name] = tensor.squeeze(1) if stepops_name.split(".")[-1].startswith("conv_") else tensor
-    ours = model.state_dict()
+    ours = dict(model.state_dict())
+    # The conv weights stay tap-major through loading (the sconv kernel's contiguous per-tap loads).
+    convs = [w for layer in model.layers for w in (layer.conv_kv, layer.conv_attn, layer.conv_mlp)]
+    assert all(w.stride() == (1, w.shape[0]) for w in convs)
+    for i, layer in enumerate(model.layers):  # the fused K+V weights, as transformers' K and V halves
+        for fused, halves in (("kv_proj.weight", ("k_proj.weight", "v_proj.weight")), ("conv_kv", ("conv_k", "conv_v"))):
+            for half, tensor in zip(halves, split_kv(ours.pop(f"layers.{i}.{fused}"), layer.num_kv_heads)):
+                ours[f"layers.{i}.{half}"] = tensor
     assert ours.keys() == hf.keys()
     for name in ours:
         assert torch.equal(ours[name], hf[name]), name
