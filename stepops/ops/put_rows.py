@@ -9,25 +9,24 @@ from __future__ import annotations
 
 import torch
 
-_SAME_WIDTH_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
 
 def put_rows_(dest: torch.Tensor, index: tuple[torch.Tensor, ...], values: torch.Tensor, keep: torch.Tensor) -> None:
     """``dest[index] = values`` for the rows ``t`` with ``keep[t]``; nothing else of ``dest`` is written.
 
-    ``index`` holds ``[T]`` int64 tensors, one per leading dim of ``dest``; ``values`` is ``[T, ...]``,
-    ``keep`` a ``[T]`` bool mask. A row outside ``keep`` may have any index: it repeats the first kept row
-    (its index and its value, so the duplicate writes the same bits); when no row is kept, every row
-    copies ``dest``'s first element onto itself. Kept rows must have distinct indices, as for any put.
-    The rows are copied as integers of the dtype's width: bit for bit, NaN payloads included, also where
-    a compiler would compute a float select through another dtype.
+    ``index`` holds ``[T]`` int64 tensors, one per leading dim of ``dest``; ``values`` is ``[T, ...]`` in
+    ``dest``'s dtype, ``keep`` a ``[T]`` bool mask. A row outside ``keep`` may have any index: it repeats
+    the first kept row (its index and its value, so the duplicate writes the same bits); when no row is
+    kept, every row copies ``dest``'s first element onto itself. Kept rows must have distinct indices, as
+    for any put. Rows are only gathered and copied, never selected with ``where``: compiled, a float
+    select may change a NaN's payload.
     """
     if keep.numel() == 0 or dest.numel() == 0:  # no row, or no row that could be valid
         return
+    num_rows = keep.numel()
     first = keep.to(torch.int32).argmax()  # the first kept row; 0 when none is
     any_kept = keep.any()
-    row = torch.where(keep, torch.arange(keep.numel(), device=keep.device), first)
+    row = torch.where(keep, torch.arange(num_rows, device=keep.device), first)
     target = tuple(torch.where(any_kept, i[row], 0) for i in index)
-    bits = _SAME_WIDTH_INT[dest.element_size()]  # select as integers, write in dest's own dtype
-    itself = dest[(0,) * len(index)].view(bits)
-    dest[target] = torch.where(any_kept, values.view(bits)[row], itself).view(dest.dtype)
+    origin = dest[(0,) * len(index)]
+    source = torch.cat([values, origin.unsqueeze(0)])  # row num_rows: dest's first element
+    dest[target] = source[torch.where(any_kept, row, num_rows)]
