@@ -63,6 +63,15 @@ def test_the_most_recent_match_comes_first_and_the_oldest_goes():
     assert [memo.match(*s).result for s in signatures[1:]] == list(range(2, AcceptedSignatures.SIZE + 2))
 
 
+def test_a_call_that_passes_a_tensor_twice_is_not_remembered():
+    memo = AcceptedSignatures()
+    tensors, scalar = _signature()
+    memo.remember(tensors, scalar)
+    memo.remember((tensors[0], tensors[0]), scalar)
+    assert memo.match(tensors, scalar) is not None, "the earlier signature stays in front"
+    assert memo.match((tensors[0], tensors[0]), scalar) is None
+
+
 def test_fake_tensors_are_not_remembered_and_tensors_not_kept_alive():
     memo = AcceptedSignatures()
     with torch._subclasses.FakeTensorMode():

@@ -64,7 +64,7 @@ class AcceptedSignatures:
         entries = self._entries
         for entry in entries:
             # The guards fail a call that passes one tensor twice (they require distinct tensors): such a
-            # call runs the checks.
+            # call runs the checks, and is not remembered.
             if entry[1] == scalar and entry[0].check(*tensors):
                 if entry is not entries[0]:
                     self._entries = (entry, *(e for e in entries if e is not entry))
@@ -76,8 +76,8 @@ class AcceptedSignatures:
         values; the least recently matched signature goes when :attr:`SIZE` are remembered."""
         if TensorGuards is None or is_dynamo_compiling() or type(scalar) not in _PLAIN_INTS:
             return
-        if any(type(t) not in _PLAIN_TENSORS for t in tensors):
-            return
+        if any(type(t) not in _PLAIN_TENSORS for t in tensors) or len({id(t) for t in tensors}) < len(tensors):
+            return  # a tensor passed twice: the guards would never match it (see match)
         # The sizes these tensors have now; any strides (the checks never read them).
         guards = TensorGuards(
             *tensors,
