@@ -56,12 +56,31 @@ def test_tiny_run_writes_every_op_with_floor_times_and_both_ratios(tmp_path):
             assert all(t > 0 for t in case["time_us"].values())
             assert set(case["ratio_vs_stepops"]) == {"naive", "compiled"}
             assert all(r > 0 for r in case["ratio_vs_stepops"].values())
+            assert case["compiled_speedup_vs_naive"] == case["time_us"]["naive"] / case["time_us"]["compiled"]
+        # The tiny run's one case (decode_r1) is not one the bar applies to.
+        assert result["compiled_vs_naive"] == {"bar": harness.COMPILED_SPEEDUP_BAR, "speedups": {}, "met": None}
     for line in (f"{op}  (floor:" for op in OPS):
         assert line in run.stdout
     assert "no-op twin" in run.stdout and "aten ops per metadata build" in run.stdout
+    assert run.stdout.count("compiled vs naive (bar: >= 3x at decode R >= 256 and prefill)") == len(OPS)
     for model in ("step5", "inkling"):
         counts = report["metadata"][model]
         assert counts["step"]["aten_ops"] >= counts["token"]["aten_ops"] > 0
+
+
+def test_compiled_vs_naive_bar_applies_to_decode_at_256_requests_and_prefill():
+    def row(name, kind, requests, speedup):
+        return {"name": name, "kind": kind, "num_requests": requests, "compiled_speedup_vs_naive": speedup}
+
+    rows = [row("decode_r16", "decode", 16, 0.5), row("verify_k3_r256", "verify", 256, 1.0),
+            row("decode_r256", "decode", 256, 3.0), row("prefill_1x256", "prefill", 1, 4.0)]
+    assert harness.compiled_vs_naive(rows) == {
+        "bar": 3.0, "speedups": {"decode_r256": 3.0, "prefill_1x256": 4.0}, "met": True,
+    }
+    rows[3] = row("prefill_1x256", "prefill", 1, 2.9)
+    assert harness.compiled_vs_naive(rows)["met"] is False
+    rows[3] = row("prefill_1x256", "prefill", 1, None)  # a baseline that failed its check is never timed
+    assert harness.compiled_vs_naive(rows)["met"] is False
 
 
 def test_no_op_twins_have_the_op_schema():
