@@ -67,7 +67,8 @@ class AcceptedSignatures:
             # call runs the checks, and is not remembered.
             if entry[1] == scalar and entry[0].check(*tensors):
                 if entry is not entries[0]:
-                    self._entries = (entry, *(e for e in entries if e is not entry))
+                    i = entries.index(entry)
+                    self._entries = (entry, *entries[:i], *entries[i + 1 :])
                 return entry
         return None
 
