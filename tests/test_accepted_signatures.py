@@ -105,6 +105,17 @@ def test_a_bad_call_after_accepted_ones_raises_its_error(case):
 
 
 @pytest.mark.parametrize("entry", _ENTRIES, ids=[e.name for e in _ENTRIES])
+def test_every_op_checks_a_repeated_call_against_its_remembered_signatures(entry, monkeypatch):
+    found = []
+    match = AcceptedSignatures.match
+    monkeypatch.setattr(AcceptedSignatures, "match", lambda self, *args: found.append(match(self, *args)) or found[-1])
+    sample = next(iter(entry.samples(torch.device("cpu"))))
+    for _ in range(2):
+        entry.fake(*sample.args, **sample.kwargs)
+    assert len(found) == 2 and found[-1] is not None
+
+
+@pytest.mark.parametrize("entry", _ENTRIES, ids=[e.name for e in _ENTRIES])
 def test_a_remembered_signature_gives_the_checks_result(entry):
     for sample in entry.samples(torch.device("cpu")):
         fresh = entry.fake(*sample.args, **sample.kwargs)
