@@ -1,12 +1,12 @@
-"""The last argument signature an op's argument check accepted, compared in C++.
+"""The argument signatures an op's check accepted lately, compared with a new call in C++.
 
 The checks in ``stepops._meta`` read the dtypes, sizes and devices of tensors and an int, never data, so a
-call whose tensors match the last accepted call's in type, dispatch keys, dtype, device, sizes and
+call whose tensors match an accepted call's in type, dispatch keys, dtype, device, sizes and
 ``requires_grad``, and whose int is equal, passes them again. Reading that in Python costs as much as the
 checks themselves (3-5 us for 5-9 tensors per eager call, about the dispatcher's own cost). Dynamo's
 ``TensorGuards`` (``torch._C._dynamo.guards``: private, the same interface on torch 2.11-2.15) compares
-it in one C++ call, so a decode loop, which calls each op with the same shapes at every layer and step,
-runs the Python checks at its first call and after a change. Without ``TensorGuards`` every call runs them.
+it in one C++ call, so a decode loop, which calls each op with the same few signatures at every layer and
+step, runs the Python checks only for a new one. Without ``TensorGuards`` every call runs them.
 """
 
 from __future__ import annotations
@@ -77,8 +77,9 @@ class AcceptedSignatures:
         values; the least recently matched signature goes when :attr:`SIZE` are remembered."""
         if TensorGuards is None or is_dynamo_compiling() or type(scalar) not in _PLAIN_INTS:
             return
+        # A tensor passed twice: the guards would never match the call (see match).
         if any(type(t) not in _PLAIN_TENSORS for t in tensors) or len({id(t) for t in tensors}) < len(tensors):
-            return  # a tensor passed twice: the guards would never match it (see match)
+            return
         # The sizes these tensors have now; any strides (the checks never read them).
         guards = TensorGuards(
             *tensors,
