@@ -13,8 +13,8 @@ from stepops._meta.accepted import ABSENT, AcceptedSignatures
 from stepops._meta.errors import check_errors_arg
 from stepops.layouts import REPLAY_ROWS
 
-# uint8 means float8_e4m3fn codes: the wrapper passes fp8 caches as uint8 views because torch cannot
-# compare float8 tensors on CPU (allclose/equal are not implemented), which opcheck's test_schema needs.
+# uint8 means float8_e4m3fn codes, accepted beside float8 itself: torch cannot compare float8 tensors on
+# CPU (allclose/equal are not implemented), which opcheck's test_schema needs, so the samples hold bytes.
 FP8_SUMMARY_DTYPES = (torch.float8_e4m3fn, torch.uint8)
 SUMMARY_DTYPES = (torch.bfloat16, *FP8_SUMMARY_DTYPES)
 METADATA_NAMES = (

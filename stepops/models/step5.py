@@ -436,8 +436,8 @@ class Step5DecoderLayer(nn.Module):
     def bind_summary_cache(self, summary_cache: torch.Tensor) -> None:
         """Give a CSA layer its own summary cache ``[num_slots, 256]`` uint8 holding float8_e4m3fn codes.
 
-        Held as bytes, not as float8_e4m3fn: the op takes fp8 caches as a uint8 view, and a compiled step
-        that writes a dtype view of a graph input copies the whole input back afterwards."""
+        Held as bytes, which the op writes as codes: no dtype view of the cache enters a compiled step (one
+        that writes a dtype view of a graph input copies the whole input back afterwards)."""
         if self.kind != CSA:
             raise ValueError("only CSA layers have a summary cache")
         if summary_cache.dim() != 2 or summary_cache.shape[1] != self.config.index_proxy_dim:

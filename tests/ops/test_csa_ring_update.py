@@ -408,8 +408,9 @@ def test_summary_matches_textbook_softmax_within_tolerance():
 
 
 def test_compiled_wrapper_matches_eager_in_place():
-    """fullgraph compile of the wrapper (fp8 cache passed on as a uint8 view, ring as an as_strided view of
-    the cache) writes the same bytes into the same tensors as eager."""
+    """fullgraph compile of the wrapper (an fp8 summary cache, the ring as an as_strided view of the cache)
+    writes the same bytes into the same tensors as eager. When the wrapper passed the fp8 cache on as a
+    uint8 view, torch 2.11's Inductor copied that view back into the cache as values, changing every row."""
     steps = [
         make_step([3, 9], [10, 15], proxy_dim=16, capacity=10, rows_per_block=12, num_padding=1,
                   summary_dtype=torch.float8_e4m3fn, generator=torch.Generator().manual_seed(1))

@@ -43,8 +43,7 @@ def csa_ring_update(
         ``index_k``, ``index_z`` ``[T, P]`` bf16, the step's flattened tokens (requests contiguous, padding
         last); ``ring`` ``[num_rows, 2P]`` bf16, the rows view of the ring cache (request ``r``'s ring is
         rows ``[ring_base, ring_base + capacity)``; e.g. ``BoundCSATailRing.rows``); ``summary_cache``
-        ``[num_slots, P]`` bf16 or float8_e4m3fn (uint8 holding e4m3fn codes is accepted too; fp8 caches
-        reach the op as such a uint8 view); ``metadata`` from :func:`build_csa_ring_metadata` (five
+        ``[num_slots, P]`` bf16 or float8_e4m3fn (uint8 holding e4m3fn codes is accepted too); ``metadata`` from :func:`build_csa_ring_metadata` (five
         ``[T]`` int32, -1 for padding); ``capacity`` int, rows per request ring, ``>= 7`` (the layout
         guarantees ``>= 7 + k``); ``errors`` optional int32 ``[1]`` (``stepops.error_counter()``).
     Writes:
@@ -72,10 +71,9 @@ def csa_ring_update(
     """
     if validate:
         validate_csa_ring_update_inputs(index_k, index_z, ring, summary_cache, metadata, capacity)
-    if summary_cache.dtype == torch.float8_e4m3fn:
-        # The op takes fp8 caches as their bytes: torch cannot compare float8 tensors on CPU, and opcheck's
-        # schema check compares every argument before and after.
-        summary_cache = summary_cache.view(torch.uint8)
+    # An fp8 cache goes to the op as it is, never as a uint8 view: compiled, a dtype view of a graph input
+    # that the op writes is copied back whole, and torch 2.11's Inductor copies it back as values, changing
+    # every byte of the cache (tests/ops/test_csa_ring_update.py, test_compiled_wrapper_matches_eager_in_place).
     torch.ops.stepops.csa_ring_update(
         index_k,
         index_z,
