@@ -45,8 +45,10 @@ def test_tiny_run_writes_every_op_with_floor_times_and_both_ratios(tmp_path):
     for result in report["ops"]:
         assert result["floor"]
         host = result["host_cost_us"]
-        for key in ("op_us", "kernel_function_us", "twin_us", "custom_op_twin_us", "argument_checks_us", "host_path_us"):
+        for key in ("op_us", "kernel_function_us", "twin_us", "argument_checks_us", "host_path_us"):
             assert host[key] > 0, key
+        # None where torch cannot call a custom_op whose trailing mutable optional is left out (torch 2.11).
+        assert host["custom_op_twin_us"] is None or host["custom_op_twin_us"] > 0
         assert host["host_path_vs_twin"] == host["host_path_us"] / host["twin_us"]
         assert result["cases"]
         for case in result["cases"]:
