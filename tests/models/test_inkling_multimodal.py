@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from safetensors import safe_open
-from test_inkling_oracle import FP32_LAYER, HF_CONFIG, VOCAB, single_file_copy
+from test_inkling_oracle import FP32_LAYER, HF_CONFIG, VOCAB, randomize_parameters, single_file_copy
 from transformers import InklingConfig, InklingForConditionalGeneration  # the test extra pins 5.23.0
 
 from stepops.models.inkling import split_kv
@@ -38,16 +38,8 @@ def hf_mm():
     torch.manual_seed(0)
     config = InklingConfig(text_config=dict(HF_CONFIG), vision_config=VISION_CONFIG, audio_config=AUDIO_CONFIG)
     model = InklingForConditionalGeneration(config).eval()
+    randomize_parameters(model)
     with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name or "global_scale" in name:
-                param.normal_(1.0, 0.2)
-            elif "sconv" in name:
-                param.normal_(0.0, 0.3)
-            elif name == "lm_head.weight" or "rel_logits_proj" in name:
-                param.normal_(0.0, 1.0)
-            else:
-                param.normal_(0.0, param.shape[-1] ** -0.5)
         for name, buffer in model.named_buffers():
             if "e_score_correction_bias" in name:
                 buffer.normal_(0.0, 0.5)

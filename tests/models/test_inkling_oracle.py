@@ -87,11 +87,8 @@ def _hf_config() -> InklingTextConfig:
     return InklingTextConfig(**HF_CONFIG)
 
 
-def _save(path, correction_bias):
-    """A tiny random transformers Inkling saved with ``save_pretrained`` (sharded: several files);
-    ``correction_bias(shape)`` gives each router's ``e_score_correction_bias``."""
-    torch.manual_seed(0)
-    model = InklingForCausalLM(_hf_config()).eval()
+def randomize_parameters(model: torch.nn.Module) -> None:
+    """Random weights for a transformers Inkling (text or multimodal), including those it sets to constants."""
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "norm" in name or "global_scale" in name:
@@ -104,6 +101,15 @@ def _save(path, correction_bias):
                 # Unit-gain projections (transformers' std 0.02 makes every sublayer a small correction to
                 # the residual, too small next to bf16 rounding for the bf16 test to see a wrong part).
                 param.normal_(0.0, param.shape[-1] ** -0.5)
+
+
+def _save(path, correction_bias):
+    """A tiny random transformers Inkling saved with ``save_pretrained`` (sharded: several files);
+    ``correction_bias(shape)`` gives each router's ``e_score_correction_bias``."""
+    torch.manual_seed(0)
+    model = InklingForCausalLM(_hf_config()).eval()
+    randomize_parameters(model)
+    with torch.no_grad():
         for name, buffer in model.named_buffers():
             if "e_score_correction_bias" in name:
                 buffer.copy_(correction_bias(buffer.shape))
