@@ -309,7 +309,8 @@ def load_inkling(
         for fused, halves in _KV_HALVES.items():
             whole = expected.pop(f"layers.{i}.{fused}")
             for half in halves:
-                expected[f"layers.{i}.{half}"] = whole.new_empty((whole.shape[0] // 2, *whole.shape[1:]))
+                # shape and dtype only: on the meta device, nothing allocated
+                expected[f"layers.{i}.{half}"] = whole.new_empty((whole.shape[0] // 2, *whole.shape[1:]), device="meta")
     loaded: dict[str, torch.Tensor] = {}
     unexpected: list[str] = []
     ignored: dict[tuple[str, str], int] = {}

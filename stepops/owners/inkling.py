@@ -158,15 +158,13 @@ class InklingConvState(nn.Module):
         ids). ``(InklingStream.K, InklingStream.V)`` is the layers' K+V call: ``[k_h | v_h]`` per head."""
         if self.kv_cache.dim() != 4:
             raise ValueError(f"Inkling conv state {self.prefix} has no cache bound yet")
-        given = streams
-        streams = streams if isinstance(streams, tuple) else (streams,)
-        # isinstance and .value, not InklingStream(stream) or an IntEnum index: Dynamo (torch 2.13) recurses
-        # without end on both.
-        if not streams or not all(isinstance(stream, InklingStream) for stream in streams):
-            raise TypeError(f"streams must be an InklingStream or a tuple of them, got {given!r}")
-        offset, width = self.layout.stream_range(streams)
+        as_tuple = streams if isinstance(streams, tuple) else (streams,)
+        # isinstance, not InklingStream(stream): Dynamo (torch 2.13) recurses without end on the latter.
+        if not as_tuple or not all(isinstance(stream, InklingStream) for stream in as_tuple):
+            raise TypeError(f"streams must be an InklingStream or a tuple of them, got {streams!r}")
+        offset, width = self.layout.stream_range(as_tuple)
         if x.dim() != 2 or x.shape[1] != self.num_kv_heads * width:
-            names = "+".join(stream.name for stream in streams)
+            names = "+".join(stream.name for stream in as_tuple)
             raise ValueError(
                 f"{names} stream input must be [T, {self.num_kv_heads * width}] (H * width), got {tuple(x.shape)}"
             )

@@ -203,11 +203,11 @@ def samples(device: torch.device) -> Iterator[SampleInput]:
         layout=WIDE_LAYOUT,
         num_blocks=4,
     )
-    for seed, (name, stream) in enumerate((("k", InklingStream.K), ("k_plus_v", KV), ("mlp_out", InklingStream.MLP_OUT))):
+    for i, (name, stream) in enumerate((("k", InklingStream.K), ("k_plus_v", KV), ("mlp_out", InklingStream.MLP_OUT))):
         yield _sample(
             f"model_layout_{name}",
             device,
-            seed=7 + 10 * seed,
+            seed=7 + 10 * i,
             prior_lens=[6, 0],
             new_lens=[1, 3],
             num_tokens=4,
