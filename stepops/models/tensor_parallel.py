@@ -17,7 +17,9 @@ page keeps one ``D`` at every ``tp``. The residual stream ``[T, hidden]`` is rep
 
 from __future__ import annotations
 
+import faulthandler
 import os
+import sys
 import tempfile
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -138,11 +140,18 @@ def _rank_main(
     timeout: timedelta | None,
     args: tuple,
 ) -> None:
+    faulthandler.enable()  # a rank that dies in C++ (SIGABRT, SIGSEGV) still prints its Python stacks
     dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=tp_size, timeout=timeout)
     try:
         fn(rank, tp_size, *args)
     finally:
         dist.destroy_process_group()
+    # Done and disconnected: leave without interpreter finalization. Freeing torch's distributed and compiled
+    # state there aborted a finished gloo rank once in CI ("terminate called without an active exception");
+    # everything a rank reports is in the files or streams it has written by now.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def spawn_ranks(
@@ -154,7 +163,9 @@ def spawn_ranks(
     ``cuda:rank``). The group rendezvouses through a ``file://`` store in a fresh temporary directory (no
     port to pick); ``timeout`` bounds each collective (``None``: torch's default). ``fn`` and ``args``
     must be picklable (a module-level function). When a rank raises, the others are ended and
-    ``torch.multiprocessing.ProcessRaisedException`` (with its traceback) is raised here.
+    ``torch.multiprocessing.ProcessRaisedException`` (with its traceback) is raised here. A rank that
+    finishes leaves the group and exits at once (``os._exit``): whatever it reports must be written or
+    printed by ``fn`` itself.
     """
     with tempfile.TemporaryDirectory(prefix="stepops-tp-") as tmp:
         init_file = os.path.join(tmp, "rendezvous")

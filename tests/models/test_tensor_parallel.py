@@ -191,6 +191,18 @@ def test_two_ranks_match_one(rank_results, check):
     assert not failures, "\n".join(failures)
 
 
+def _rank_one_fails(rank: int, tp_size: int) -> None:
+    if rank == 1:
+        raise RuntimeError("rank 1 gave up")
+
+
+def test_a_failing_rank_is_raised_and_the_others_ended():
+    """Rank 1 raises, rank 0 finishes (and leaves through ``os._exit``): the parent gets rank 1's error and
+    traceback, not a plain exit code."""
+    with pytest.raises(torch.multiprocessing.ProcessRaisedException, match="rank 1 gave up"):
+        spawn_ranks(_rank_one_fails, TP, timeout=timedelta(seconds=60))
+
+
 # -- single process: the weight slicer -------------------------------------------------------------------
 
 
