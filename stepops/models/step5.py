@@ -143,6 +143,10 @@ class Step5Config:
             raise ValueError("swiglu limits must be > 0")
         if any(kind not in (SLIDING, CSA) for kind in self.layer_types):
             raise ValueError(f"layer_types must be {SLIDING!r} or {CSA!r}, got {self.layer_types}")
+        if SLIDING in self.layer_types and self.head_dim % 2:
+            raise ValueError(
+                f"head_dim ({self.head_dim}) must be even: sliding layers rotate the whole head in NEOX halves"
+            )
         if len(set(self.moe_layers)) != len(self.moe_layers) or any(
             not 0 <= i < len(self.layer_types) for i in self.moe_layers
         ):

@@ -131,6 +131,8 @@ def test_the_released_models_numbers():
         ({"swiglu_limit": 0.0}, ValueError, "swiglu limits"),
         ({"head_dim": 16.0}, TypeError, "head_dim must be an int"),
         ({"index_top_k": 0}, ValueError, "index_top_k must be >= 1"),
+        # a sliding layer ropes the whole head in NEOX halves: an odd head failed mid-step (shape mismatch)
+        ({"head_dim": 9}, ValueError, r"head_dim \(9\) must be even"),
     ],
 )
 def test_bad_configs_are_clear_errors(kwargs, error, match):
