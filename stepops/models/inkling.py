@@ -109,6 +109,16 @@ class InklingConfig:
     def __post_init__(self) -> None:
         if self.mlp_layer_types is None:
             object.__setattr__(self, "mlp_layer_types", (SPARSE,) * len(self.layer_types))
+        for name in ("vocab_size", "hidden_size", "num_heads", "num_kv_heads", "head_dim", "swa_num_heads",
+                     "swa_num_kv_heads", "swa_head_dim", "conv_kernel_size", "sliding_window", "rel_extent", "block_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_speculative_tokens < 0:
+            raise ValueError(f"num_speculative_tokens must be >= 0, got {self.num_speculative_tokens}")
+        if self.log_scaling_n_floor is not None and self.log_scaling_n_floor < 1:
+            raise ValueError(
+                f"log_scaling_n_floor must be None (no log scaling) or >= 1, got {self.log_scaling_n_floor}"
+            )
         if any(kind not in (SLIDING, GLOBAL) for kind in self.layer_types):
             raise ValueError(f"layer_types must be {SLIDING!r} or {GLOBAL!r}, got {self.layer_types}")
         if len(self.mlp_layer_types) != len(self.layer_types) or any(

@@ -231,6 +231,11 @@ def test_unsupported_configs_are_errors(checkpoint, tmp_path, config_edit, messa
         (dict(n_shared_experts=0), r"sparse MLP layers need n_shared_experts >= 1"),
         (dict(unpadded_vocab_size=129), r"unpadded_vocab_size \(129\) must be in 1..vocab_size \(128\)"),
         (dict(num_heads=3), r"global layers: query heads \(3\) must be a multiple of KV heads \(2\)"),
+        # were accepted: a ZeroDivisionError, a failure mid-step, NaN outputs ((pos + 1) / 0 scaling)
+        (dict(num_kv_heads=0), r"num_kv_heads must be >= 1, got 0"),
+        (dict(rel_extent=0), r"rel_extent must be >= 1, got 0"),
+        (dict(num_speculative_tokens=-1), r"num_speculative_tokens must be >= 0, got -1"),
+        (dict(log_scaling_n_floor=0), r"log_scaling_n_floor must be None \(no log scaling\) or >= 1, got 0"),
     ],
 )
 def test_bad_inkling_configs_are_value_errors(kwargs, message):
