@@ -96,3 +96,36 @@ def test_validate_checks_slot_ranges_and_duplicates():
         paged_kv_write(**_args(slot_mapping=torch.tensor([0, 12], dtype=torch.int32)), validate=True)
     with pytest.raises(ValueError, match="two tokens of one call the same slot"):
         paged_kv_write(**_args(slot_mapping=torch.tensor([3, 3], dtype=torch.int32)), validate=True)
+
+
+def test_triton_kernel_reads_a_strided_slot_mapping_by_its_stride():
+    """slot_mapping as a column of a [T, 2] table (stride 2): each token's own slot, not its neighbour's."""
+    device = triton_device()
+    key = torch.randn(3, 2, 4, dtype=torch.bfloat16)
+    cache = torch.zeros(3, 2, 2, 4, dtype=torch.bfloat16)
+    table = torch.tensor([[1, 4], [5, 0], [2, 3]], dtype=torch.int32)
+    slots = table[:, 0]  # [1, 5, 2], stride 2
+    want_k, want_v = cache.clone(), cache.clone()
+    paged_kv_write_reference(key, key, want_k, want_v, slots)
+    got_k, got_v = cache.to(device), cache.to(device)
+    paged_kv_write_triton(key.to(device), key.to(device), got_k, got_v, table.to(device)[:, 0])
+    assert torch.equal(got_k.cpu(), want_k) and torch.equal(got_v.cpu(), want_v)
+
+
+@pytest.mark.parametrize("heads, head_size, head_size_v", [(2, 8, 0), (2, 0, 8), (0, 8, 8)], ids=["dv0", "d0", "h0"])
+def test_zero_sized_heads_or_head_dims_run_on_both_kernels(heads, head_size, head_size_v):
+    """A packed latent passes an empty value (Dv = 0): both kernels write the key and nothing else."""
+    device = triton_device()
+    key = torch.randn(3, heads, head_size, dtype=torch.bfloat16)
+    value = torch.randn(3, heads, head_size_v, dtype=torch.bfloat16)
+    key_cache = torch.randn(3, 2, heads, head_size, dtype=torch.bfloat16)
+    value_cache = torch.randn(3, 2, heads, head_size_v, dtype=torch.bfloat16)
+    slots = torch.tensor([4, -1, 1], dtype=torch.int32)
+    want_k, want_v = key_cache.clone(), value_cache.clone()
+    paged_kv_write_reference(key, value, want_k, want_v, slots)
+    got_k, got_v = key_cache.clone(), value_cache.clone()
+    paged_kv_write(key, value, got_k, got_v, slots, validate=True)
+    assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
+    got_k, got_v = key_cache.to(device), value_cache.to(device)
+    paged_kv_write_triton(key.to(device), value.to(device), got_k, got_v, slots.to(device))
+    assert torch.equal(got_k.cpu(), want_k) and torch.equal(got_v.cpu(), want_v)

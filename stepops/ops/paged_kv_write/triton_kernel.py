@@ -86,6 +86,9 @@ def paged_kv_write_triton(
     num_tokens, num_heads, head_size = key.shape
     if num_tokens == 0:
         return
+    # The kernel reads slot t at `slot_mapping + t`: a strided [T] view (e.g. a column of a [T, k] table)
+    # becomes a contiguous copy, never a read of other tokens' slots.
+    slot_mapping = slot_mapping.contiguous()
     _paged_kv_write_kernel[(num_tokens,)](
         key,
         value,
@@ -102,9 +105,10 @@ def paged_kv_write_triton(
         *value.stride(),
         *key_cache.stride(),
         *value_cache.stride(),
-        BLOCK_H=triton.next_power_of_2(num_heads),
-        BLOCK_D=triton.next_power_of_2(head_size),
-        BLOCK_DV=triton.next_power_of_2(value.shape[2]),
+        # At least 1: a zero-sized H, D or Dv (e.g. Dv = 0 for a packed latent) is a fully masked tile.
+        BLOCK_H=max(triton.next_power_of_2(num_heads), 1),
+        BLOCK_D=max(triton.next_power_of_2(head_size), 1),
+        BLOCK_DV=max(triton.next_power_of_2(value.shape[2]), 1),
         HAS_ERRORS=errors is not None,
         # Triton's default, stated: 128 threads x 8 bf16 (one 128-bit access each) cover a model-sized
         # [8, 128] head tile in one pass; a pure copy needs no more threads per token.
