@@ -135,6 +135,14 @@ _OUT_OF_SCOPE = (
 _LAYER_KEY = re.compile(r"model\.layers\.(\d+)\.(.+)")
 _ORIGINAL_LAYER_KEY = re.compile(r"model\.llm\.layers\.(\d+)\.(.+)")
 _LAYER_TYPES = {"hybrid_sliding": SLIDING, "hybrid": GLOBAL}
+# InklingTextConfig.attribute_map: names a release's config.json may use instead (transformers reads the alias,
+# and it wins when both are given).
+_CONFIG_ALIASES = {
+    "sconv_kernel_size": "conv_kernel_size",
+    "sliding_window": "sliding_window_size",
+    "num_local_experts": "n_routed_experts",
+    "embedding_multiplier": "logits_mup_width_multiplier",
+}
 _CONV_WEIGHTS = ("conv_k", "conv_v", "conv_attn", "conv_mlp")
 # The layers keep K and V fused, rows per KV head [k_h | v_h] (stepops.models.inkling.fuse_kv): the K and V
 # halves of a checkpoint are read under these names, then fused.
@@ -161,11 +169,18 @@ def _text_config(hf: dict[str, Any]) -> dict[str, Any]:
 def config_from_transformers(hf: dict[str, Any], *, block_size: int = 16) -> InklingConfig:
     """An :class:`InklingConfig` from a transformers Inkling ``config.json`` dict (an ``InklingTextConfig``,
     or an ``InklingConfig`` whose ``text_config`` is read; its vision and audio configs are out of scope).
+    transformers' aliases (``sconv_kernel_size``, ...) and ``dense_intermediate_size`` are read as it reads them.
 
     ``ValueError`` for another model type, an activation other than SiLU, or an unknown layer type.
     ``block_size`` is the attention KV cache's declared block size (not a transformers setting).
     """
-    hf = _text_config(hf)
+    hf = dict(_text_config(hf))
+    for alias, name in _CONFIG_ALIASES.items():
+        if alias in hf:
+            hf[name] = hf.pop(alias)
+    if hf.get("dense_intermediate_size") is not None:
+        # As InklingTextConfig.__post_init__: intermediate_size is then the routed experts' width.
+        hf["moe_intermediate_size"], hf["intermediate_size"] = hf["intermediate_size"], hf["dense_intermediate_size"]
     if hf.get("hidden_act", "silu") != "silu":
         raise ValueError(f"hidden_act {hf['hidden_act']!r} is not supported (Inkling uses 'silu')")
     unknown = sorted(set(hf["layer_types"]) - set(_LAYER_TYPES))

@@ -222,6 +222,24 @@ def test_unsupported_configs_are_errors(checkpoint, tmp_path, config_edit, messa
         load_inkling(single_file_copy(checkpoint, tmp_path, config_edit=config_edit))
 
 
+def _release_style_config(config: dict) -> None:
+    """The names a release's config.json may use: transformers' attribute-map aliases, and
+    ``intermediate_size`` as the routed experts' width with the dense MLP's in ``dense_intermediate_size``."""
+    for alias, name in (("sconv_kernel_size", "conv_kernel_size"), ("sliding_window", "sliding_window_size"),
+                        ("num_local_experts", "n_routed_experts"), ("embedding_multiplier", "logits_mup_width_multiplier")):
+        config[alias] = config.pop(name)
+    config["dense_intermediate_size"] = config["intermediate_size"]
+    config["intermediate_size"] = config.pop("moe_intermediate_size")
+
+
+def test_release_style_config_names_load_as_transformers_reads_them(checkpoint, tmp_path):
+    path = single_file_copy(checkpoint, tmp_path, config_edit=_release_style_config)
+    hf_config = InklingTextConfig.from_pretrained(path)
+    assert (hf_config.conv_kernel_size, hf_config.sliding_window_size, hf_config.intermediate_size) == (4, 8, 96)
+    assert (hf_config.moe_intermediate_size, hf_config.n_routed_experts, hf_config.logits_mup_width_multiplier) == (32, 4, 2.0)
+    assert load_inkling(path).config == load_inkling(checkpoint).config
+
+
 @pytest.mark.parametrize(
     "kwargs, message",
     [
