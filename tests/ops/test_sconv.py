@@ -158,6 +158,23 @@ def test_block_smaller_than_kernel_reads_across_several_blocks():
     assert torch.equal(sconv(x, weight, cache, block_table, metadata, offset, validate=True), want)
 
 
+
+@pytest.mark.parametrize("kernel", sorted(_KERNELS))
+def test_strided_metadata_are_read_by_their_strides(kernel):
+    """The four [T] metadata as columns of one [T, 4] table (stride 4): each token's own entries, in both
+    kernels (the Triton kernel read `pointer + t`, i.e. other tokens' entries, and stored to wrong slots)."""
+    device = triton_device() if kernel == "triton" else torch.device("cpu")
+    x, weight, cache, block_table, metadata, offset = _step(
+        InklingStream.V, prior_lens=[2, 5], new_lens=[3, 1], num_tokens=6, device=device
+    )
+    want_y, want_storage = _reference(x, weight, cache, block_table, metadata, offset)
+    table = torch.stack(list(metadata), dim=1)  # [T, 4]
+    strided = SconvMetadata(*(table[:, i] for i in range(4)))
+    assert strided.slot_mapping.stride() == (4,)
+    y = _KERNELS[kernel](x, weight, cache, block_table, strided, offset)
+    assert torch.equal(y.cpu(), want_y)
+    assert torch.equal(_base(cache).cpu(), want_storage)
+
 def _unallocated_step(device):
     """A step whose earlier taps hit unallocated blocks, in a cache with a NaN block on either side.
 

@@ -200,6 +200,11 @@ def sconv_triton(
     y = torch.empty((num_tokens, channels), dtype=x.dtype, device=x.device)
     if num_tokens == 0:
         return y
+    # The kernel reads token t's metadata at `pointer + t`: strided [T] views (e.g. columns of one [T, 4]
+    # table) become contiguous copies, never reads of other tokens' entries.
+    token_request, token_chunk_start, slot_mapping, token_position = (
+        t.contiguous() for t in (token_request, token_chunk_start, slot_mapping, token_position)
+    )
     block_w = min(triton.next_power_of_2(width), _MAX_BLOCK_W)
     heads = min(max(_CHANNELS_PER_WARP // block_w, 1), triton.next_power_of_2(num_heads))
     grid = (num_tokens, triton.cdiv(num_heads, heads), triton.cdiv(width, block_w))
