@@ -167,6 +167,38 @@ def test_triton_kernel_matches_torch_kernel_bitwise(sample):
     assert torch.equal(triton_args[3].cpu().view(torch.uint8), args[3].view(torch.uint8))
 
 
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_strided_metadata_are_read_by_their_strides(kernel):
+    """The five [T] metadata as columns of one [T, 5] table (stride 5): each token's own entries (the
+    Triton kernel read `pointer + t`, i.e. other tokens' entries, and wrote wrong rows and summaries)."""
+    step = make_step(
+        [3, 9, 1], [16, 24, 8], proxy_dim=16, capacity=10, rows_per_block=12, num_padding=2,
+        device=triton_device() if kernel != "torch" else "cpu",
+    )  # fmt: skip
+    poison(step)
+    ring_before = step.cache.view(torch.int16).clone()
+    summary_before = summary_bytes(step.summary_cache).clone()
+    expected_ring, expected_summary = _expected_after(step, ring_before, summary_before)
+    table = torch.stack(list(step.metadata), dim=1)  # [T, 5]
+    step.metadata = CSARingMetadata(*(table[:, i] for i in range(5)))
+    assert step.metadata.position.stride() == (5,)
+    run(kernel, step)
+    assert torch.equal(step.cache.view(torch.int16).cpu(), expected_ring)
+    assert torch.equal(summary_bytes(step.summary_cache).cpu(), expected_summary)
+
+
+def test_empty_rows_p0_run_on_both_kernels():
+    """P = 0 (empty rows) is accepted by the argument checks: the Triton kernel must run, as the PyTorch
+    kernel does, rather than fail on an empty arange."""
+    step = make_step([3, 9], [16, 24], proxy_dim=16, capacity=8, num_padding=1)
+    args = list(step.op_args())
+    args[0], args[1], args[3] = args[0][:, :0], args[1][:, :0], args[3][:, :0]
+    args[2] = torch.zeros(args[2].shape[0], 0, dtype=torch.bfloat16)
+    torch.ops.stepops.csa_ring_update(*args)
+    device = triton_device()
+    csa_ring_update_triton(*[a.to(device) if isinstance(a, torch.Tensor) else a for a in args])
+
 # ------------------------------------------------------------------------------------------------------
 # Bad input
 # ------------------------------------------------------------------------------------------------------

@@ -320,10 +320,16 @@ def csa_ring_update_triton(
     num_tokens, proxy_dim = index_k.shape
     if num_tokens == 0:
         return
+    # The kernel reads token t's metadata at `pointer + t`: strided [T] views become contiguous copies,
+    # never reads of other tokens' entries.
+    token_position, token_chunk_start, token_chunk_len, token_ring_base, token_summary_slot = (
+        t.contiguous()
+        for t in (token_position, token_chunk_start, token_chunk_len, token_ring_base, token_summary_slot)
+    )
     fp8 = summary_cache.dtype in _meta.FP8_SUMMARY_DTYPES
     # fp8 codes are computed with integer ops and stored as bytes (see fp8_e4m3_code).
     summary = summary_cache.view(torch.uint8) if fp8 else summary_cache
-    block_p = triton.next_power_of_2(proxy_dim)
+    block_p = max(triton.next_power_of_2(proxy_dim), 1)  # P = 0: one masked lane, as the PyTorch kernel runs
     _csa_ring_update_kernel[(num_tokens,)](
         index_k,
         index_z,
