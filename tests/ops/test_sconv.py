@@ -175,6 +175,22 @@ def test_strided_metadata_are_read_by_their_strides(kernel):
     assert torch.equal(y.cpu(), want_y)
     assert torch.equal(_base(cache).cpu(), want_storage)
 
+
+@pytest.mark.parametrize("kernel", sorted(_KERNELS))
+def test_an_empty_cache_serves_a_step_that_neither_reads_nor_stores_it(kernel):
+    """num_blocks = 0 (the argument checks accept it): a prefill from position 0 with slot -1 reads no
+    cache slot, so both kernels return the conv of x (the PyTorch kernel gathered block 0: an IndexError)."""
+    device = triton_device() if kernel == "triton" else torch.device("cpu")
+    cache = torch.zeros(0, 2, 4, 8, dtype=torch.bfloat16, device=device)
+    x = torch.randn(3, 6).to(device=device, dtype=torch.bfloat16)
+    weight = torch.randn(6, 4).to(device=device, dtype=torch.bfloat16)
+    block_table = torch.full((1, 1), -1, dtype=torch.int32, device=device)
+    metadata = SconvMetadata(*(torch.tensor(v, dtype=torch.int32, device=device)
+                               for v in ([0, 0, -1], [0, 0, -1], [-1, -1, -1], [0, 1, -1])))  # fmt: skip
+    want_y, _ = _reference(x, weight, cache, block_table, metadata, 0)
+    y = _KERNELS[kernel](x, weight, cache, block_table, metadata, 0)
+    assert torch.equal(y.cpu(), want_y)
+
 def _unallocated_step(device):
     """A step whose earlier taps hit unallocated blocks, in a cache with a NaN block on either side.
 

@@ -122,7 +122,10 @@ def sconv_torch(
     x_f32 = x.view(num_tokens, num_heads, width).float()
     weight_f32 = weight.float().t().reshape(kernel_size, num_heads, width)
     x_row = torch.where(in_step, row[:, None] - (kernel_size - 1) + taps, 0)
-    cached = stream[torch.where(in_cache, block, 0), q_cached % block_size]  # [T, W, H, width]
+    if num_blocks:
+        cached = stream[torch.where(in_cache, block, 0), q_cached % block_size]  # [T, W, H, width]
+    else:  # an empty cache (no block): no tap reads it (in_cache is all False), and block 0 does not exist
+        cached = x.new_zeros(num_tokens, kernel_size, num_heads, width)
     acc = torch.zeros(num_tokens, num_heads, width, dtype=torch.float32, device=x.device)
     for j in range(kernel_size):
         from_x = x_f32[x_row[:, j]]
