@@ -191,6 +191,25 @@ def test_an_empty_cache_serves_a_step_that_neither_reads_nor_stores_it(kernel):
     y = _KERNELS[kernel](x, weight, cache, block_table, metadata, 0)
     assert torch.equal(y.cpu(), want_y)
 
+
+@pytest.mark.parametrize("kernel", sorted(_KERNELS))
+def test_taps_before_position_zero_are_zero_even_when_the_chunk_starts_below_it(kernel):
+    """Short ``seq_lens`` (only ``validate=True`` names them): token 2 of a 3-token chunk at position 1, so
+    ``p0 = -1``. Its taps at positions -2 and -1 are zero as the docs say, not rows 0 and -1 of ``x``
+    (the kernels took ``q >= p0`` before ``q < 0``)."""
+    device = triton_device() if kernel == "triton" else torch.device("cpu")
+    cache = torch.zeros(2, 2, 4, 8, dtype=torch.bfloat16, device=device)
+    x = torch.randn(3, 6).to(device=device, dtype=torch.bfloat16)
+    weight = torch.randn(6, 4).to(device=device, dtype=torch.bfloat16)
+    block_table = torch.tensor([[0, 1]], dtype=torch.int32, device=device)
+    metadata = SconvMetadata(*(torch.tensor(v, dtype=torch.int32, device=device)
+                               for v in ([0, 0, 0], [0, 0, 0], [-1, 0, 1], [0, 0, 1])))  # fmt: skip
+    want_y, want_storage = _reference(x, weight, cache, block_table, metadata, 0)
+    y = _KERNELS[kernel](x, weight, cache, block_table, metadata, 0)
+    assert torch.equal(y.cpu(), want_y)
+    assert torch.equal(_base(cache).cpu(), want_storage)
+
+
 def _unallocated_step(device):
     """A step whose earlier taps hit unallocated blocks, in a cache with a NaN block on either side.
 

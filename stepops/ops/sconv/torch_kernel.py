@@ -88,7 +88,7 @@ def sconv_torch(
     request = token_request.to(torch.int64)
     position = token_position.to(torch.int64)
     is_real = request >= 0
-    first_position = position - (row - token_chunk_start.to(torch.int64))
+    first_position = (position - (row - token_chunk_start.to(torch.int64))).clamp(min=0)  # q < 0 is zero, whatever p0
 
     # Every tap of every token at once, [T, W]: tap j of token t is at position q = p - (W-1) + j.
     taps = torch.arange(kernel_size, device=x.device)

@@ -106,7 +106,7 @@ def _sconv_kernel(
     bad = bad_id(request, num_requests) | (
         is_real & ((chunk_start < 0) | (chunk_start > token) | bad_id(slot, num_blocks * block_size))
     )
-    first_position = position - (token - chunk_start)
+    first_position = position - tl.minimum(token - chunk_start, position)  # max(p0, 0): a tap before 0 is zero
 
     # Offset of each channel inside one cache slot: its head, then its place in the stream's D-range.
     cache_channel = (
