@@ -171,8 +171,8 @@ def config_from_transformers(hf: dict[str, Any], *, block_size: int = 16) -> Ink
     or an ``InklingConfig`` whose ``text_config`` is read; its vision and audio configs are out of scope).
     transformers' aliases (``sconv_kernel_size``, ...) and ``dense_intermediate_size`` are read as it reads them.
 
-    ``ValueError`` for another model type, an activation other than SiLU, or an unknown layer type.
-    ``block_size`` is the attention KV cache's declared block size (not a transformers setting).
+    ``ValueError`` for another model type, an activation other than SiLU, an unknown layer type or a
+    missing field. ``block_size`` is the attention KV cache's declared block size (not a transformers setting).
     """
     hf = dict(_text_config(hf))
     for alias, name in _CONFIG_ALIASES.items():
@@ -183,6 +183,16 @@ def config_from_transformers(hf: dict[str, Any], *, block_size: int = 16) -> Ink
         hf["moe_intermediate_size"], hf["intermediate_size"] = hf["intermediate_size"], hf["dense_intermediate_size"]
     if hf.get("hidden_act", "silu") != "silu":
         raise ValueError(f"hidden_act {hf['hidden_act']!r} is not supported (Inkling uses 'silu')")
+    try:
+        return _inkling_config(hf, block_size)
+    except KeyError as missing:
+        raise ValueError(
+            f"the Inkling config has no {missing.args[0]!r} (a config.json written by transformers' "
+            "save_pretrained has every field)"
+        ) from None
+
+
+def _inkling_config(hf: dict[str, Any], block_size: int) -> InklingConfig:
     unknown = sorted(set(hf["layer_types"]) - set(_LAYER_TYPES))
     if unknown:
         raise ValueError(f"layer_types {unknown} are not supported (expected {sorted(_LAYER_TYPES)})")

@@ -214,8 +214,9 @@ def test_bad_weights_are_errors_that_name_them(checkpoint, tmp_path, edit, messa
         (lambda c: c.update(hidden_act="gelu"), r"hidden_act 'gelu' is not supported"),
         (lambda c: c.update(layer_types=["hybrid", "linear", "hybrid"]), r"layer_types \['linear'\] are not supported"),
         (lambda c: c.update(swa_num_key_value_heads=3), r"sliding layers: query heads \(4\) must be a multiple of KV heads \(3\)"),
+        (lambda c: c.pop("log_scaling_alpha"), r"the Inkling config has no 'log_scaling_alpha'"),
     ],
-    ids=["model_type", "activation", "layer_type", "geometry"],
+    ids=["model_type", "activation", "layer_type", "geometry", "missing_field"],
 )
 def test_unsupported_configs_are_errors(checkpoint, tmp_path, config_edit, message):
     with pytest.raises(ValueError, match=message):
