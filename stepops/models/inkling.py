@@ -115,6 +115,8 @@ class InklingConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.num_speculative_tokens < 0:
             raise ValueError(f"num_speculative_tokens must be >= 0, got {self.num_speculative_tokens}")
+        if not self.rms_norm_eps >= 0:
+            raise ValueError(f"rms_norm_eps must be >= 0, got {self.rms_norm_eps}")
         if self.log_scaling_n_floor is not None and self.log_scaling_n_floor < 1:
             raise ValueError(
                 f"log_scaling_n_floor must be None (no log scaling) or >= 1, got {self.log_scaling_n_floor}"

@@ -141,6 +141,8 @@ class Step5Config:
             raise ValueError("rope thetas must be > 1")
         if not (self.swiglu_limit > 0 and self.swiglu_limit_shared > 0):
             raise ValueError("swiglu limits must be > 0")
+        if not self.rms_norm_eps >= 0:
+            raise ValueError(f"rms_norm_eps must be >= 0, got {self.rms_norm_eps}")
         if any(kind not in (SLIDING, CSA) for kind in self.layer_types):
             raise ValueError(f"layer_types must be {SLIDING!r} or {CSA!r}, got {self.layer_types}")
         if SLIDING in self.layer_types and self.head_dim % 2:

@@ -255,6 +255,7 @@ def test_release_style_config_names_load_as_transformers_reads_them(checkpoint, 
         (dict(rel_extent=0), r"rel_extent must be >= 1, got 0"),
         (dict(num_speculative_tokens=-1), r"num_speculative_tokens must be >= 0, got -1"),
         (dict(log_scaling_n_floor=0), r"log_scaling_n_floor must be None \(no log scaling\) or >= 1, got 0"),
+        (dict(rms_norm_eps=-1e-6), r"rms_norm_eps must be >= 0"),
     ],
 )
 def test_bad_inkling_configs_are_value_errors(kwargs, message):

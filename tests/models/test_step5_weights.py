@@ -133,6 +133,7 @@ def test_the_released_models_numbers():
         ({"index_top_k": 0}, ValueError, "index_top_k must be >= 1"),
         # a sliding layer ropes the whole head in NEOX halves: an odd head failed mid-step (shape mismatch)
         ({"head_dim": 9}, ValueError, r"head_dim \(9\) must be even"),
+        ({"rms_norm_eps": -1e-6}, ValueError, r"rms_norm_eps must be >= 0"),  # was accepted: NaN outputs
     ],
 )
 def test_bad_configs_are_clear_errors(kwargs, error, match):
