@@ -149,6 +149,18 @@ class StepRunner:
             raise ValueError(f"{len(batch)} requests in one step; the runner has {r} slots")
         lens = [len(s.inputs) for s in batch]
         total = sum(lens)
+        # Checked before any buffer is touched: a bad schedule must not leave half a step in the buffers.
+        self.padded_size(total)
+        seen: set[int] = set()
+        for s in batch:
+            # A negative slot would index another slot's block-table row from the end (its pages written).
+            if not 0 <= s.slot < r:
+                raise ValueError(f"request slot {s.slot} is outside the runner's slots 0..{r - 1}")
+            if s.slot in seen:
+                raise ValueError(f"request slot {s.slot} is scheduled twice in one step")
+            seen.add(s.slot)
+            if s.start < 0:
+                raise ValueError(f"request slot {s.slot}: start must be >= 0, got {s.start}")
         qsl = torch.full((r + 1,), total, dtype=torch.int32)
         qsl[: len(batch) + 1] = torch.tensor([0] + lens, dtype=torch.int32).cumsum(0)
         seq_lens = torch.zeros(r, dtype=torch.int32)

@@ -1,0 +1,46 @@
+"""StepRunner refuses a bad schedule with a ValueError before it touches its buffers or any cache: a step
+larger than the largest capture size, a slot outside ``0..max_requests - 1`` (a negative slot indexed
+another slot's block-table row from the end and wrote that request's pages), a slot scheduled twice in one
+step, a negative start."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from stepops.models import InklingModel
+from stepops.models.runner import ScheduledRequest, StepRunner
+from stepops.testing.storage import StorageSnapshot
+
+
+@pytest.fixture(scope="module")
+def runner():
+    torch.manual_seed(0)
+    model = InklingModel()
+    runner = StepRunner(model, max_requests=2, max_model_len=32, max_tokens=8, device="cpu")
+    hidden = torch.randn(5, model.config.hidden_size).to(torch.bfloat16)
+    runner.step([ScheduledRequest(1, 0, hidden)])  # slot 1 holds a request
+    return runner
+
+
+def _x(runner, n):
+    return torch.randn(n, runner.model.config.hidden_size).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize(
+    "make_batch, match",
+    [
+        (lambda x: [ScheduledRequest(0, 0, x(9))], "exceeds the largest capture size 8"),
+        (lambda x: [ScheduledRequest(-1, 0, x(3))], "slot -1 is outside"),
+        (lambda x: [ScheduledRequest(2, 0, x(3))], "slot 2 is outside"),
+        (lambda x: [ScheduledRequest(0, 0, x(2)), ScheduledRequest(0, 2, x(2))], "slot 0 is scheduled twice"),
+        (lambda x: [ScheduledRequest(0, -3, x(3))], "start must be >= 0"),
+    ],
+    ids=["too-many-tokens", "negative-slot", "slot-past-the-end", "duplicate-slot", "negative-start"],
+)
+def test_a_bad_schedule_is_refused_before_anything_is_written(runner, make_batch, match):
+    batch = make_batch(lambda n: _x(runner, n))
+    snapshot = StorageSnapshot([*runner.model.cache_tensors(), *runner.buffers, runner.inputs])
+    with pytest.raises(ValueError, match=match):
+        runner.step(batch)
+    assert snapshot.changed_bytes() == 0
