@@ -26,7 +26,7 @@ def check_paged_kv_write_args(
     """Raise ``ValueError``/``TypeError`` unless the shapes below hold.
 
     ``key [T, H, D]``, ``value [T, H, Dv]``, ``key_cache [num_blocks, N, H, D]``,
-    ``value_cache [num_blocks, N, H, Dv]`` (same ``num_blocks`` and ``N``), ``slot_mapping [T]`` int32/int64,
+    ``value_cache [num_blocks, N, H, Dv]`` (same ``num_blocks`` and ``N >= 1``), ``slot_mapping [T]`` int32/int64,
     caches of the same dtype as their inputs, everything on one device; ``errors`` None or an int32 ``[1]``.
     A call that repeats a recently accepted signature returns at once (``stepops._meta.accepted``).
     """
@@ -71,6 +71,10 @@ def check_paged_kv_write_args(
         raise ValueError(
             f"paged_kv_write: head sizes must agree: key {key.shape[2]} vs key_cache {key_cache.shape[3]}, "
             f"value {value.shape[2]} vs value_cache {value_cache.shape[3]}"
+        )
+    if key_cache.shape[1] < 1:
+        raise ValueError(
+            f"paged_kv_write: key_cache must have a block size N >= 1 (its shape[1]); got {tuple(key_cache.shape)}"
         )
     if key_cache.shape[:2] != value_cache.shape[:2]:
         raise ValueError(

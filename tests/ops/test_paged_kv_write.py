@@ -129,3 +129,19 @@ def test_zero_sized_heads_or_head_dims_run_on_both_kernels(heads, head_size, hea
     got_k, got_v = key_cache.to(device), value_cache.to(device)
     paged_kv_write_triton(key.to(device), value.to(device), got_k, got_v, slots.to(device))
     assert torch.equal(got_k.cpu(), want_k) and torch.equal(got_v.cpu(), want_v)
+
+
+@pytest.mark.parametrize("mode", ["eager", "fake"])
+def test_a_cache_with_block_size_zero_is_a_value_error_not_a_zero_division(mode):
+    """N = 0 (``key_cache.shape[1]``): the checks refused nothing, so an all-padding step reached
+    ``slots // N`` in the PyTorch kernel and failed with ``RuntimeError: ZeroDivisionError``."""
+    key = torch.randn(3, 2, 8, dtype=torch.bfloat16)
+    cache = torch.zeros(4, 0, 2, 8, dtype=torch.bfloat16)
+    slots = torch.full((3,), -1, dtype=torch.int32)
+    args = (key, key, cache, cache.clone(), slots)
+    with pytest.raises(ValueError, match=r"paged_kv_write: key_cache must have a block size N >= 1"):
+        if mode == "eager":
+            paged_kv_write(*args)
+        else:
+            with FakeTensorMode() as fake_mode:
+                paged_kv_write(*(fake_mode.from_tensor(a) for a in args))
