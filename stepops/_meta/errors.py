@@ -16,3 +16,27 @@ def check_errors_arg(op: str, errors: torch.Tensor | None, device: torch.device)
             f"{op}: errors must be an int32 [1] tensor on {device} (stepops.error_counter()); got shape "
             f"{tuple(errors.shape)} on {errors.device}"
         )
+
+
+def check_arg_types(
+    op: str,
+    tensors: tuple[tuple[str, object], ...],
+    ints: tuple[tuple[str, object], ...] = (),
+    bools: tuple[tuple[str, object], ...] = (),
+) -> None:
+    """``TypeError`` naming the first argument of a public wrapper that has the wrong Python type.
+
+    Run before the dispatcher, which would turn a non-tensor into a ``RuntimeError`` ("Expected a value of
+    type 'Tensor'"), let ``None`` through to fail as an ``AttributeError`` in the checks, and silently turn
+    a bool into the int ``1``. ``tensors`` must be tensors (``errors`` is checked by the wrapper as optional),
+    ``ints`` Python (or symbolic) ints and never bools, ``bools`` bools.
+    """
+    for name, value in tensors:
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(value).__name__}")
+    for name, value in ints:
+        if isinstance(value, bool) or not isinstance(value, (int, torch.SymInt)):
+            raise TypeError(f"{op}: {name} must be an int, got {type(value).__name__}")
+    for name, value in bools:
+        if not isinstance(value, bool):
+            raise TypeError(f"{op}: {name} must be a bool, got {type(value).__name__}")

@@ -24,7 +24,11 @@ class TokenMetadata(NamedTuple):
 
 def check_same_device(builder: str, **tensors: torch.Tensor) -> None:
     """``ValueError`` naming the first tensor not on the first one's device (a builder's inputs must agree:
-    a CPU index tensor gathering from a CUDA tensor would sync, or fail deep inside an op)."""
+    a CPU index tensor gathering from a CUDA tensor would sync, or fail deep inside an op); ``TypeError``
+    naming the first argument that is not a tensor at all."""
+    for name, tensor in tensors.items():
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"{builder}: {name} must be a torch.Tensor, got {type(tensor).__name__}")
     (first, first_tensor), *others = tensors.items()
     for name, tensor in others:
         if tensor.device != first_tensor.device:

@@ -66,6 +66,9 @@ def build_csa_ring_metadata(
             f"{builder}: summary_block_table must be [R = {seq_lens.shape[0]}, max_blocks >= 1], got "
             f"{tuple(summary_block_table.shape)}"
         )
+    for name, tensor in (("ring_blocks", ring_blocks), ("summary_block_table", summary_block_table)):
+        if tensor.dtype.is_floating_point or tensor.dtype.is_complex or tensor.dtype == torch.bool:
+            raise TypeError(f"{builder}: {name} must be an integer tensor (block ids), got {tensor.dtype}")
     for name, value in (("rows_per_block", rows_per_block), ("summary_block_size", summary_block_size)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{builder}: {name} must be an int >= 1, got {value!r}")

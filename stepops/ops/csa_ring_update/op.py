@@ -6,6 +6,7 @@ import torch
 
 from stepops._library import declare_op
 from stepops._meta.csa_ring_update import csa_ring_update_fake
+from stepops._meta.errors import check_arg_types
 from stepops._triton import triton_launcher
 from stepops.ops.csa_ring_update.metadata import CSARingMetadata
 from stepops.ops.csa_ring_update.samples import error_inputs as csa_ring_update_error_inputs
@@ -69,6 +70,21 @@ def csa_ring_update(
                                            summary_block_table, summary_block_size, num_tokens)
         csa_ring_update(index_k, index_z, ring.rows, summary_cache, metadata, ring.capacity)
     """
+    if not isinstance(metadata, CSARingMetadata):
+        raise TypeError(
+            f"csa_ring_update: metadata must be a CSARingMetadata (build_csa_ring_metadata), got "
+            f"{type(metadata).__name__}"
+        )
+    check_arg_types(
+        "csa_ring_update",
+        (
+            ("index_k", index_k), ("index_z", index_z), ("ring", ring), ("summary_cache", summary_cache),
+            *((f"metadata.{name}", t) for name, t in zip(CSARingMetadata._fields, metadata)),
+            *(() if errors is None else (("errors", errors),)),
+        ),
+        ints=(("capacity", capacity),),
+        bools=(("validate", validate),),
+    )  # fmt: skip
     if validate:
         validate_csa_ring_update_inputs(index_k, index_z, ring, summary_cache, metadata, capacity)
     # An fp8 cache goes to the op as it is, never as a uint8 view: compiled, a dtype view of a graph input

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from stepops._library import declare_op
+from stepops._meta.errors import check_arg_types
 from stepops._meta.paged_kv_write import paged_kv_write_fake
 from stepops._triton import triton_launcher
 from stepops.ops.paged_kv_write.samples import paged_kv_write_error_inputs, paged_kv_write_samples
@@ -58,6 +59,14 @@ def paged_kv_write(
         slots = torch.tensor([17, 18, -1], dtype=torch.int32)       # block 1, offsets 1 and 2; padding
         paged_kv_write(key, value, key_cache, value_cache, slots)   # key, value [3, 2, 8] bf16
     """
+    check_arg_types(
+        "paged_kv_write",
+        (
+            ("key", key), ("value", value), ("key_cache", key_cache), ("value_cache", value_cache),
+            ("slot_mapping", slot_mapping), *(() if errors is None else (("errors", errors),)),
+        ),
+        bools=(("validate", validate),),
+    )  # fmt: skip
     if validate:
         validate_paged_kv_write_inputs(key, value, key_cache, value_cache, slot_mapping)
     torch.ops.stepops.paged_kv_write(key, value, key_cache, value_cache, slot_mapping, errors)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from stepops._library import declare_op
+from stepops._meta.errors import check_arg_types
 from stepops._meta.sconv import sconv_fake
 from stepops._triton import triton_launcher
 from stepops.ops.sconv.metadata import SconvMetadata
@@ -70,6 +71,16 @@ def sconv(
     """
     if not isinstance(metadata, SconvMetadata):
         raise TypeError(f"sconv: metadata must be an SconvMetadata, got {type(metadata).__name__}")
+    check_arg_types(
+        "sconv",
+        (
+            ("x", x), ("weight", weight), ("cache", cache), ("block_table", block_table),
+            *((f"metadata.{name}", t) for name, t in zip(SconvMetadata._fields, metadata)),
+            *(() if errors is None else (("errors", errors),)),
+        ),
+        ints=(("stream_offset", stream_offset),),
+        bools=(("residual", residual), ("silu", silu), ("validate", validate)),
+    )  # fmt: skip
     if validate:
         validate_sconv_inputs(x, weight, cache, block_table, metadata, stream_offset)
     return torch.ops.stepops.sconv(x, weight, cache, block_table, *metadata, stream_offset, residual, silu, errors)
