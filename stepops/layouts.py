@@ -350,7 +350,11 @@ class InklingConvStateLayout:
         Indexes by ``int(stream)``: Dynamo (torch 2.13) recurses without end on ``InklingStream(x)`` and on
         indexing a tuple with an IntEnum, and this is called inside compiled layers.
         """
-        indices = [int(stream) for stream in (streams if isinstance(streams, tuple) else (streams,))]
+        as_tuple = streams if isinstance(streams, tuple) else (streams,)
+        # int() alone would take "1", 1.7 or True as V, and fail on "K" with a message naming no argument.
+        if not all(isinstance(stream, int) and not isinstance(stream, bool) for stream in as_tuple):
+            raise TypeError(f"stream must be an InklingStream (or its int value), got {streams!r}")
+        indices = [int(stream) for stream in as_tuple]
         if not indices or not all(0 <= index < len(InklingStream) for index in indices):
             raise ValueError(f"stream must be one of {[s.name for s in InklingStream]}, got {streams!r}")
         if any(b != a + 1 for a, b in zip(indices, indices[1:])):
