@@ -69,8 +69,11 @@ def test_paged_attention_layer_binds_strided_nhd_cache():
     layer.bind_kv_cache(cache)
     assert layer.kv_cache is cache
     assert torch.equal(layer.key_cache, cache[..., :8]) and torch.equal(layer.value_cache, cache[..., 8:])
-    with pytest.raises(ValueError, match=r"must be \[num_blocks, N, 2, 12\] with N a multiple of 4"):
+    with pytest.raises(ValueError, match=r"must be \[num_blocks, N, 2, 12\] with num_blocks >= 1 and N a multiple of 4"):
         layer.bind_kv_cache(torch.zeros(3, 6, 2, 12, dtype=torch.bfloat16))
+    # No block: a ValueError as for the ring and the conv state (it was an IndexError reading block 0).
+    with pytest.raises(ValueError, match=r"num_blocks >= 1 and N a multiple of 4, got shape \(0, 8, 2, 12\)"):
+        layer.bind_kv_cache(torch.zeros(0, 8, 2, 12, dtype=torch.bfloat16))
     with pytest.raises(TypeError, match="must be torch.bfloat16, got torch.float32"):
         layer.bind_kv_cache(torch.zeros(3, 4, 2, 12))
     with pytest.raises(ValueError, match="blocks overlap"):
