@@ -189,6 +189,8 @@ class StepRunner:
     def _run(self, size: int) -> torch.Tensor:
         hidden = self.inputs[:size]
         if self.mode == CUDA_GRAPH:
+            if size not in self._graphs:
+                raise RuntimeError(f"no CUDA graph captured for T = {size}: call warm_up() before the first step")
             graph, out = self._graphs[size]
             graph.replay()
             return out

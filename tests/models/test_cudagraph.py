@@ -48,6 +48,14 @@ def test_cuda_graph_replay_equals_eager(model_cls, config):
         assert torch.equal(a, b)
 
 
+def test_a_step_before_warm_up_says_to_warm_up_and_writes_no_cache():
+    model, runner = _make(InklingModel, InklingConfig(), CUDA_GRAPH)
+    before = [t.clone() for t in model.cache_tensors()]
+    with pytest.raises(RuntimeError, match=r"call warm_up\(\) before the first step"):
+        runner.step(next(_steps(model.config.hidden_size)))
+    assert all(torch.equal(a, b) for a, b in zip(model.cache_tensors(), before))
+
+
 @pytest.mark.parametrize("model_cls, config", _MODELS)
 def test_reduce_overhead_replay_equals_eager_without_cudagraph_skips(model_cls, config):
     eager_model, eager = _make(model_cls, config, EAGER)
