@@ -370,13 +370,16 @@ def region_summary_slots(
 ) -> torch.Tensor:
     """``[T, size]`` int64: the summary-cache row of regions ``start .. start + size - 1`` of each token's
     request (``request [T]``, -1 = padding, read as request 0); ``summary_block_table [R, max_summary_blocks]``.
+    ``-1`` where the region's summary block is unallocated (a negative entry, or a column past the table).
     A chunk of regions at a time, so no ``[T, num_regions]`` table exists."""
     region = torch.arange(start, start + size, device=summary_block_table.device)
-    if summary_block_table.shape[0] == 0:  # R = 0: every token is padding, whose scores are masked anyway
-        return region.expand(request.shape[0], size) % summary_block_size
-    column = (region // summary_block_size).clamp(max=summary_block_table.shape[1] - 1)
-    table = summary_block_table.long().clamp(min=0)[request.long().clamp(min=0)]  # [T, max_summary_blocks]
-    return table[:, column] * summary_block_size + region % summary_block_size
+    if summary_block_table.shape[0] == 0 or summary_block_table.shape[1] == 0:  # no summary block at all
+        return region.new_full((request.shape[0], size), -1)
+    column = region // summary_block_size
+    table = summary_block_table.long()[request.long().clamp(min=0)]  # [T, max_summary_blocks]
+    block = table[:, column.clamp(max=table.shape[1] - 1)]
+    allocated = (block >= 0) & (column < table.shape[1])
+    return torch.where(allocated, block * summary_block_size + region % summary_block_size, -1)
 
 
 def csa_region_scorer(
@@ -390,7 +393,7 @@ def csa_region_scorer(
     """A :func:`streaming_topk` scorer for the Step5 indexer, per KV group: ``[T, G, size]`` fp32 scores.
 
     ``score[t, g, r] = sum_h relu(index_query[t, g, h] . summary[r]) * index_weights[t, g, h]`` for regions
-    before the token's own (``r < position // 8``), ``-inf`` otherwise. ``index_query [T, G, H, P]`` (any
+    before the token's own (``r < position // 8``) whose summary block is allocated, ``-inf`` otherwise. ``index_query [T, G, H, P]`` (any
     float dtype, e.g. already rounded to e4m3 values; ``G = 1`` for one selection for all heads),
     ``index_weights [T, G, H]`` fp32, ``summary_cache [num_slots, P]`` (uint8 holding float8_e4m3fn codes, or
     any float dtype). Each chunk gathers ``[T, size, P]`` summaries, never ``[T, num_regions, P]``. Feed
@@ -414,10 +417,11 @@ def csa_region_scorer(
             # scores: it orders the chunks' gathers for a compiler, which otherwise gathered every chunk's
             # summaries before scoring any (compiled step peak growing with the context).
             slots = slots + (previous[:1, :1, :1].abs() < 0).long().view(1, 1)
-        per_head = torch.einsum("tghp,trp->tghr", index_query.float(), summaries[slots].float())
+        per_head = torch.einsum("tghp,trp->tghr", index_query.float(), summaries[slots.clamp(min=0)].float())
         scores = (torch.relu(per_head) * index_weights[..., None]).sum(2)  # [T, G, size]
         region = torch.arange(start, start + size, device=scores.device)
-        previous = scores.masked_fill(region >= own, float("-inf"))
+        # An unallocated summary block is never scored: block 0 would be another request's summaries.
+        previous = scores.masked_fill((region >= own) | (slots < 0)[:, None, :], float("-inf"))
         return previous
 
     return score_chunk

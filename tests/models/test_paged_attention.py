@@ -326,6 +326,28 @@ def test_csa_region_scorer_selects_as_the_dense_indexer():
     torch.testing.assert_close(values, ranked.values[..., :3], atol=1e-6, rtol=1e-6)
 
 
+def test_csa_region_scorer_never_scores_an_unallocated_summary_block():
+    """Regions whose summary block is -1, or past the table's columns, score -inf (they read block 0, another
+    request's summaries); the allocated ones score as before."""
+    gen = torch.Generator().manual_seed(4)
+    step = make_step([70, 9, 33], [1, 4, 2], 8, block_size=8, max_blocks=12)
+    iq = torch.randn(8, 1, 2, 16, generator=gen).to(torch.float8_e4m3fn).float()
+    weights = torch.rand(8, 1, 2, generator=gen) + 0.5
+    summary = torch.randn(40, 16, generator=gen).to(torch.float8_e4m3fn).view(torch.uint8)
+    full_table = torch.tensor([[3, 5, 7], [1, 2, 4], [6, 8, 9]], dtype=torch.int32)
+    table = full_table.clone()
+    table[0, 1] = -1  # request 0's regions 4..7
+    narrow = table[:, :2]  # request 0's regions 8.. fall past the table
+    region = torch.arange(12)
+    for t, unallocated in ((table, (region >= 4) & (region < 8)), (narrow, (region >= 4))):
+        got = csa_region_scorer(iq, weights, summary, t, 4, step.token)(0, 12)
+        want = csa_region_scorer(iq, weights, summary, full_table, 4, step.token)(0, 12)
+        request_0 = step.token.request == 0
+        assert got[request_0][..., unallocated].eq(float("-inf")).all()
+        assert torch.equal(got[request_0][..., ~unallocated], want[request_0][..., ~unallocated])
+        assert torch.equal(got[~request_0][:, :, :8], want[~request_0][:, :, :8])
+
+
 def _all_three(step: Step, bias: torch.Tensor, ids: torch.Tensor):
     # Three one-block chunks (Inductor compiles each chunk's kernels apart: few chunks keep this fast); one
     # block per chunk with a bias is the shape torch 2.11's Inductor once failed to compile.
