@@ -87,5 +87,8 @@ def masked_attention(
     weights = torch.exp(scores - row_max) * mask
     denom = weights.sum(-1, keepdim=True)
     weights = weights / torch.where(denom > 0, denom, torch.ones_like(denom))
-    out = torch.einsum("tkgs,tskd->tkgd", weights, value.float())
+    # A masked key's weight is an exact 0, but 0 * NaN is NaN: a masked row's value (stale, never written) is
+    # replaced, not multiplied away, so a row with no allowed key is zero as documented.
+    value_mask = allowed[:, :, None, None] if allowed.dim() == 2 else allowed.transpose(1, 2)[..., None]
+    out = torch.einsum("tkgs,tskd->tkgd", weights, torch.where(value_mask, value.float(), 0.0))
     return out.reshape(num_tokens, num_heads, value.shape[-1]).to(query.dtype)

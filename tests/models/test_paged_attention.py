@@ -326,6 +326,25 @@ def test_csa_region_scorer_selects_as_the_dense_indexer():
     torch.testing.assert_close(values, ranked.values[..., :3], atol=1e-6, rtol=1e-6)
 
 
+@pytest.mark.parametrize("per_kv_head", [False, True])
+def test_dense_oracle_ignores_non_finite_values_of_masked_keys(per_kv_head):
+    """The oracle's documented contract: a masked key (stale or never written, NaN) reaches no output, and a
+    token with no allowed key (padding) is zero."""
+    gen = torch.Generator().manual_seed(5)
+    query, key = torch.randn(3, 4, 8, generator=gen), torch.randn(3, 5, 2, 8, generator=gen)
+    value = torch.randn(3, 5, 2, 6, generator=gen)
+    allowed = torch.tensor([[1, 1, 0, 0, 0], [1, 1, 1, 1, 0], [0, 0, 0, 0, 0]], dtype=torch.bool)
+    if per_kv_head:
+        allowed = allowed[:, None, :].expand(3, 2, 5)
+    poisoned = value.clone()
+    poisoned[0, 2:] = float("nan")
+    poisoned[1, 4] = float("inf")
+    poisoned[2] = float("nan")
+    want = masked_attention(query, key, value, allowed, 0.3)
+    got = masked_attention(query, key, poisoned, allowed, 0.3)
+    assert torch.equal(got, want) and got[2].eq(0).all()
+
+
 def test_csa_region_scorer_never_scores_an_unallocated_summary_block():
     """Regions whose summary block is -1, or past the table's columns, score -inf (they read block 0, another
     request's summaries); the allocated ones score as before."""
