@@ -254,15 +254,11 @@ def paged_attention(
             scores = scores + bias.view(num_tiles, query_tile, num_kv_heads, group, keys).permute(0, 2, 3, 1, 4)
         # logical_not, not ~: Python's ~ on a CUDA tensor needs a CUDA build even under fake tensors, and
         # tests/models/test_compile.py traces the CUDA path on a CPU-only wheel.
-        value = kv_cache[..., head_size:][block].flatten(1, 2)  # [tiles, C * N, Hkv, Dv]
-        # A masked key's weight is an exact 0, but 0 * NaN is NaN, and the tile's queries share one weighted
-        # sum: a row never written (NaN, Inf), or a later token of the same step with a non-finite value,
-        # would poison queries that may not read it. Non-finite values are replaced by 0 and a query allowed
-        # to read one gets a NaN score for it instead, so a query's output depends on its own keys only.
-        finite = value.isfinite().all(-1)  # [tiles, C * N, Hkv]
-        value = torch.where(finite[..., None], value, 0.0)
-        scores = scores.masked_fill(finite.transpose(1, 2)[:, :, None, None].logical_not(), float("nan"))
         scores = scores.masked_fill(allowed[:, None, None].logical_not(), float("-inf")).flatten(2, 3)
+        value = kv_cache[..., head_size:][block].flatten(1, 2)  # [tiles, C * N, Hkv, Dv]
+        # A key no query of the tile may read can be a row never written (NaN, Inf): its weight is an exact
+        # 0, but 0 * NaN is NaN, so its value is replaced, not multiplied away (its score is masked_fill'ed).
+        value = torch.where(allowed.any(1)[:, :, None, None], value, 0.0)
         state = _softmax_fold(state, scores, value.float().transpose(1, 2))
     out = _softmax_finish(state).view(num_tiles, num_kv_heads, group, query_tile, value_size)
     out = out.permute(0, 3, 1, 2, 4).reshape(num_tiles * query_tile, num_heads, value_size)
