@@ -56,6 +56,16 @@ def _max(a: int | torch.SymInt, b: int | torch.SymInt) -> int | torch.SymInt:
     return torch.sym_max(a, b)
 
 
+def _lookup_blocks(table: torch.Tensor, column: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The blocks at ``column`` ``[n, ...]`` of block-table rows ``table`` ``[n, max_blocks]`` int64, clamped to
+    ``>= 0`` so that every gather through them stays in bounds, and ``[n, ...]`` bool: whether the block is
+    allocated (the column inside the table, its entry not negative). A lookup that is not allocated must be
+    masked, never read: block 0 belongs to another request."""
+    max_blocks = table.shape[1]
+    block = table.gather(1, column.clamp(0, max_blocks - 1).flatten(1)).view_as(column)
+    return block.clamp(min=0), (column >= 0) & (column < max_blocks) & (block >= 0)
+
+
 def _query_tiles(token: TokenMetadata, num_requests: int, query_tile: int) -> _QueryTiles:
     """Split each request's tokens of the step into tiles of ``query_tile`` consecutive tokens.
 
@@ -231,9 +241,7 @@ def paged_attention(
         after = ((state.acc[:1, :1, :1, :1].abs() < 0) | (state.sum[:1, :1, :1] < 0)).long().view(1, 1)
         column = start + torch.arange(width, device=device) + after  # [1, C]
         column = (column if first_column is None else first_column[:, None] + column).expand(num_tiles, width)
-        block = table.gather(1, column.clamp(max=max_blocks - 1))
-        live = (column < max_blocks) & (block >= 0)
-        block = block.clamp(min=0)
+        block, live = _lookup_blocks(table, column)
         k_position = (column[:, :, None] * block_size + torch.arange(block_size, device=device)).flatten(1)
         distance = q_position - k_position[:, None, :]  # [tiles, Qt, C * N]
         allowed = live.repeat_interleave(block_size, 1)[:, None, :] & (distance >= 0) & (q_position >= 0)
@@ -308,16 +316,14 @@ def sparse_region_attention(
     selected = selected_regions.long()
     region = torch.cat([torch.where(selected == own, -1, selected), own], dim=2)  # [T, G, K + 1]
     key_position = region[..., None] * REGION_SIZE + torch.arange(REGION_SIZE, device=device)  # [T, G, K + 1, 8]
-    column = key_position // block_size
-    max_blocks = block_table.shape[1]
     table = block_table.long()[token.request.long().clamp(min=0)]  # [T, max_blocks]
-    block = table.gather(1, column.clamp(0, max_blocks - 1).flatten(1)).view_as(column)
-    allowed = (region[..., None] >= 0) & (column < max_blocks) & (block >= 0)
+    block, allocated = _lookup_blocks(table, key_position // block_size)
+    allowed = (region[..., None] >= 0) & allocated
     allowed = allowed & (key_position <= position[:, None, None, None])  # padding (-1) allows nothing
     # [T, G, K + 1, 8, Hkv/G, D + Dv]: each group's heads only.
     head = (torch.arange(num_groups, device=device)[:, None] * heads_per_group
             + torch.arange(heads_per_group, device=device))[None, :, None, None, :]
-    rows = kv_cache[block.clamp(min=0)[..., None], (key_position % block_size)[..., None], head]
+    rows = kv_cache[block[..., None], (key_position % block_size)[..., None], head]
     rows = rows.flatten(2, 3).permute(0, 1, 3, 2, 4)  # [T, G, Hkv/G, S, D + Dv]
     q = query.float().view(num_tokens, num_groups, heads_per_group, num_heads // num_kv_heads, head_size)
     scores = (q @ rows[..., :head_size].float().transpose(-1, -2)) * scale  # [T, G, Hkv/G, Hq/Hkv, S]
@@ -371,10 +377,8 @@ def region_summary_slots(
     region = torch.arange(start, start + size, device=summary_block_table.device)
     if summary_block_table.shape[0] == 0 or summary_block_table.shape[1] == 0:  # no summary block at all
         return region.new_full((request.shape[0], size), -1)
-    column = region // summary_block_size
     table = summary_block_table.long()[request.long().clamp(min=0)]  # [T, max_summary_blocks]
-    block = table[:, column.clamp(max=table.shape[1] - 1)]
-    allocated = (block >= 0) & (column < table.shape[1])
+    block, allocated = _lookup_blocks(table, (region // summary_block_size).expand(table.shape[0], size))
     return torch.where(allocated, block * summary_block_size + region % summary_block_size, -1)
 
 
