@@ -13,6 +13,8 @@ from typing import NamedTuple
 
 import torch
 
+from stepops._meta.errors import check_arg_types
+
 
 class TokenMetadata(NamedTuple):
     """int32 tensors of shape ``[num_tokens]``; ``-1`` marks a padding token."""
@@ -26,9 +28,7 @@ def check_same_device(builder: str, **tensors: torch.Tensor) -> None:
     """``ValueError`` naming the first tensor not on the first one's device (a builder's inputs must agree:
     a CPU index tensor gathering from a CUDA tensor would sync, or fail deep inside an op); ``TypeError``
     naming the first argument that is not a tensor at all."""
-    for name, tensor in tensors.items():
-        if not isinstance(tensor, torch.Tensor):
-            raise TypeError(f"{builder}: {name} must be a torch.Tensor, got {type(tensor).__name__}")
+    check_arg_types(builder, tuple(tensors.items()))
     (first, first_tensor), *others = tensors.items()
     for name, tensor in others:
         if tensor.device != first_tensor.device:
