@@ -458,7 +458,8 @@ class Step5DecoderLayer(nn.Module):
         residual = residual + self._attention(h, metadata).float()
         h = self.post_attention_layernorm(residual).to(torch.bfloat16)
         if self.is_moe:
-            return residual + self.moe(h).float() + self.share_expert(h).float()
+            # The reference's _feed_forward: routed + shared in fp32 first, then that sum onto the residual.
+            return residual + (self.moe(h).float() + self.share_expert(h).float())
         return residual + self.mlp(h).float()
 
     def _attention(self, h: torch.Tensor, metadata: Step5StepMetadata) -> torch.Tensor:

@@ -192,7 +192,8 @@ def _layer(
         s = f"{prefix}share_expert."
         shared = _swiglu(h, state[s + "gate_proj.weight"], state[s + "up_proj.weight"], state[s + "down_proj.weight"],
                          c.swiglu_limit_shared)
-        return x + _moe(c, state, prefix, h).float() + shared.float(), near
+        # Step4DecoderLayer._feed_forward: the two branches are summed in fp32 before the residual add.
+        return x + (_moe(c, state, prefix, h).float() + shared.float()), near
     m = f"{prefix}mlp."
     mlp = _swiglu(h, state[m + "gate_proj.weight"], state[m + "up_proj.weight"], state[m + "down_proj.weight"], c.swiglu_limit)
     return x + mlp.float(), near

@@ -69,3 +69,33 @@ def test_tied_scores_select_the_lowest_region_ids(monkeypatch):
     assert comparison.near_tie_rows == 0
     assert comparison.max_row_relative_err <= len(model.layers) * TOLERANCES["model_vs_recompute_cpu"].rtol
     assert comparison.differing_fraction <= 1 / 8
+
+
+def test_moe_layers_sum_routed_and_shared_experts_before_the_residual(monkeypatch):
+    """The reference's ``Step4DecoderLayer._feed_forward`` adds the routed and the shared expert in fp32
+    first and only then adds that sum to the fp32 residual: ``x + (moe + shared)``, not ``(x + moe) +
+    shared``. With x = 1 and both branches 2**-24 the two orders differ (1 + 2**-23 vs 1, ties to even).
+    Checked on the layer and on the recompute, each with its attention contributing exactly 0."""
+    import stepops.testing.step5_reference as reference
+
+    config = Step5Config(layer_types=("sliding",), moe_layers=(0,))
+    checkpoint = random_step5_checkpoint(config, seed=0)
+    checkpoint["layers.0.self_attn.o_proj.weight"].zero_()  # attention adds exactly 0 to the residual
+    residual = torch.ones(3, config.hidden_size)
+    branch = torch.full((3, config.hidden_size), 2.0**-24, dtype=torch.bfloat16)
+    want = torch.full_like(residual, 1.0 + 2.0**-23)
+
+    model = Step5Model(config)
+    load_step5_state_dict(model, checkpoint)
+    layer = model.layers[0]
+    monkeypatch.setattr(layer, "_attention", lambda h, metadata: torch.zeros_like(h))
+    monkeypatch.setattr(layer.moe, "forward", lambda h: branch)
+    monkeypatch.setattr(layer.share_expert, "forward", lambda h: branch)
+    with torch.inference_mode():
+        assert torch.equal(layer(residual, None), want)
+
+    monkeypatch.setattr(reference, "_moe", lambda c, state, prefix, h: branch)
+    monkeypatch.setattr(reference, "_swiglu", lambda h, gate, up, down, limit: branch)  # the shared expert
+    with torch.inference_mode():
+        got, _ = reference._layer(config, checkpoint, 0, residual, None)
+    assert torch.equal(got, want)
