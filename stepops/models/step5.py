@@ -137,8 +137,13 @@ class Step5Config:
                 f"csa_partial_rotary_factor ({self.csa_partial_rotary_factor}) must be in (0, 1] and rotate at "
                 f"least 2 of head_dim {self.head_dim} dims"
             )
-        if self.sliding_rope_theta <= 1 or self.csa_rope_theta <= 1:
-            raise ValueError("rope thetas must be > 1")
+        if not (self.sliding_rope_theta > 1 and self.csa_rope_theta > 1):  # NaN too: it gave NaN outputs
+            raise ValueError(
+                f"rope thetas must be > 1, got sliding_rope_theta={self.sliding_rope_theta}, "
+                f"csa_rope_theta={self.csa_rope_theta}"
+            )
+        if not math.isfinite(self.moe_router_scaling_factor):
+            raise ValueError(f"moe_router_scaling_factor must be finite, got {self.moe_router_scaling_factor}")
         if not (self.swiglu_limit > 0 and self.swiglu_limit_shared > 0):
             raise ValueError("swiglu limits must be > 0")
         if not self.rms_norm_eps >= 0:

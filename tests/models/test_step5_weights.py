@@ -134,6 +134,9 @@ def test_the_released_models_numbers():
         # a sliding layer ropes the whole head in NEOX halves: an odd head failed mid-step (shape mismatch)
         ({"head_dim": 9}, ValueError, r"head_dim \(9\) must be even"),
         ({"rms_norm_eps": -1e-6}, ValueError, r"rms_norm_eps must be >= 0"),  # was accepted: NaN outputs
+        ({"csa_rope_theta": float("nan")}, ValueError, "rope thetas must be > 1"),  # was accepted: NaN outputs
+        ({"sliding_rope_theta": float("nan")}, ValueError, "rope thetas must be > 1"),
+        ({"moe_router_scaling_factor": float("nan")}, ValueError, "moe_router_scaling_factor must be finite"),
     ],
 )
 def test_bad_configs_are_clear_errors(kwargs, error, match):
