@@ -109,18 +109,6 @@ class InklingConfig:
     def __post_init__(self) -> None:
         if self.mlp_layer_types is None:
             object.__setattr__(self, "mlp_layer_types", (SPARSE,) * len(self.layer_types))
-        for name in ("vocab_size", "hidden_size", "num_heads", "num_kv_heads", "head_dim", "swa_num_heads",
-                     "swa_num_kv_heads", "swa_head_dim", "conv_kernel_size", "sliding_window", "rel_extent", "block_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.num_speculative_tokens < 0:
-            raise ValueError(f"num_speculative_tokens must be >= 0, got {self.num_speculative_tokens}")
-        if not self.rms_norm_eps >= 0:
-            raise ValueError(f"rms_norm_eps must be >= 0, got {self.rms_norm_eps}")
-        if self.log_scaling_n_floor is not None and self.log_scaling_n_floor < 1:
-            raise ValueError(
-                f"log_scaling_n_floor must be None (no log scaling) or >= 1, got {self.log_scaling_n_floor}"
-            )
         if any(kind not in (SLIDING, GLOBAL) for kind in self.layer_types):
             raise ValueError(f"layer_types must be {SLIDING!r} or {GLOBAL!r}, got {self.layer_types}")
         if len(self.mlp_layer_types) != len(self.layer_types) or any(
@@ -130,9 +118,29 @@ class InklingConfig:
                 f"mlp_layer_types must give {DENSE!r} or {SPARSE!r} for each of the {len(self.layer_types)} layers, "
                 f"got {self.mlp_layer_types}"
             )
+        # Only the layer kinds in use are checked (transformers builds only those: an all-global model's
+        # swa_* and sliding_window, or an all-sliding model's global geometry and rel_extent, are unused).
+        kinds = set(self.layer_types)
+        used = {
+            SLIDING: ("swa_num_heads", "swa_num_kv_heads", "swa_head_dim", "sliding_window"),
+            GLOBAL: ("num_heads", "num_kv_heads", "head_dim", "rel_extent"),
+        }
+        names = ["vocab_size", "hidden_size", "conv_kernel_size", "block_size"]
+        names += [name for kind in (SLIDING, GLOBAL) if kind in kinds for name in used[kind]]
+        for name in names:
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_speculative_tokens < 0:
+            raise ValueError(f"num_speculative_tokens must be >= 0, got {self.num_speculative_tokens}")
+        if not self.rms_norm_eps >= 0:
+            raise ValueError(f"rms_norm_eps must be >= 0, got {self.rms_norm_eps}")
+        if GLOBAL in kinds and self.log_scaling_n_floor is not None and self.log_scaling_n_floor < 1:
+            raise ValueError(
+                f"log_scaling_n_floor must be None (no log scaling) or >= 1, got {self.log_scaling_n_floor}"
+            )
         for kind in (SLIDING, GLOBAL):
             heads, kv_heads, _ = self.attention_geometry(kind)
-            if heads % kv_heads:
+            if kind in kinds and heads % kv_heads:
                 raise ValueError(f"{kind} layers: query heads ({heads}) must be a multiple of KV heads ({kv_heads})")
         if SPARSE in self.mlp_layer_types and not 0 < self.num_experts_per_tok <= self.n_routed_experts:
             raise ValueError(
@@ -140,8 +148,9 @@ class InklingConfig:
             )
         if SPARSE in self.mlp_layer_types and self.n_shared_experts < 1:
             raise ValueError("sparse MLP layers need n_shared_experts >= 1 (the router's softmax includes them)")
-        if self.unpadded_vocab_size is not None and not 0 < self.unpadded_vocab_size <= self.vocab_size:
-            raise ValueError(f"unpadded_vocab_size ({self.unpadded_vocab_size}) must be in 1..vocab_size ({self.vocab_size})")
+        # transformers slices the logits only when unpadded_vocab_size < vocab_size (a larger one keeps them all).
+        if self.unpadded_vocab_size is not None and self.unpadded_vocab_size < 1:
+            raise ValueError(f"unpadded_vocab_size must be None or >= 1, got {self.unpadded_vocab_size}")
 
     def attention_geometry(self, kind: str) -> tuple[int, int, int]:
         """``(query heads, KV heads, head_dim)`` of a ``kind`` (sliding or global) layer, all ranks."""
@@ -151,8 +160,9 @@ class InklingConfig:
 
     @property
     def output_vocab_size(self) -> int:
-        """Logits per token: ``unpadded_vocab_size`` when the head is padded, else ``vocab_size``."""
-        return self.unpadded_vocab_size or self.vocab_size
+        """Logits per token: ``unpadded_vocab_size`` when the head is padded (smaller), else ``vocab_size``
+        (transformers keeps every logit when ``unpadded_vocab_size >= vocab_size``)."""
+        return min(self.unpadded_vocab_size or self.vocab_size, self.vocab_size)
 
 
 def check_inkling_tp(config: InklingConfig, tp_size: int) -> None:

@@ -181,7 +181,8 @@ def config_from_transformers(hf: dict[str, Any], *, block_size: int = 16) -> Ink
     if hf.get("dense_intermediate_size") is not None:
         # As InklingTextConfig.__post_init__: intermediate_size is then the routed experts' width.
         hf["moe_intermediate_size"], hf["intermediate_size"] = hf["intermediate_size"], hf["dense_intermediate_size"]
-    if hf.get("hidden_act", "silu") != "silu":
+    # transformers' ACT2FN: "swish" is nn.SiLU, the same function as "silu".
+    if hf.get("hidden_act", "silu") not in ("silu", "swish"):
         raise ValueError(f"hidden_act {hf['hidden_act']!r} is not supported (Inkling uses 'silu')")
     try:
         return _inkling_config(hf, block_size)
@@ -192,8 +193,32 @@ def config_from_transformers(hf: dict[str, Any], *, block_size: int = 16) -> Ink
         ) from None
 
 
+def _layer_types(hf: dict[str, Any]) -> tuple[list[str], list[str]]:
+    """``(layer_types, mlp_layer_types)`` as ``InklingTextConfig.__post_init__`` fills them when absent or
+    ``null`` (a release's config.json may give ``local_layer_ids`` and ``dense_mlp_idx`` instead): sliding
+    layers are ``local_layer_ids``, else every layer ``i`` with ``(i + 1) % 6``; the first ``dense_mlp_idx``
+    (default 0) MLPs are dense, the rest sparse. ``ValueError`` when the counts disagree with
+    ``num_hidden_layers`` (transformers refuses those too)."""
+    layer_types, mlp_layer_types = hf.get("layer_types"), hf.get("mlp_layer_types")
+    if layer_types is None or mlp_layer_types is None:
+        count = hf["num_hidden_layers"]
+    if layer_types is None:
+        local = hf.get("local_layer_ids")
+        local = set(local) if local is not None else {i for i in range(count) if (i + 1) % 6}
+        layer_types = ["hybrid_sliding" if i in local else "hybrid" for i in range(count)]
+    if mlp_layer_types is None:
+        dense = hf.get("dense_mlp_idx") or 0
+        mlp_layer_types = ["dense" if i < dense else "sparse" for i in range(count)]
+    count = hf.get("num_hidden_layers")
+    for name, types in (("layer_types", layer_types), ("mlp_layer_types", mlp_layer_types)):
+        if count is not None and len(types) != count:
+            raise ValueError(f"num_hidden_layers ({count}) must equal the number of {name} ({len(types)})")
+    return list(layer_types), list(mlp_layer_types)
+
+
 def _inkling_config(hf: dict[str, Any], block_size: int) -> InklingConfig:
-    unknown = sorted(set(hf["layer_types"]) - set(_LAYER_TYPES))
+    layer_types, mlp_layer_types = _layer_types(hf)
+    unknown = sorted(set(layer_types) - set(_LAYER_TYPES))
     if unknown:
         raise ValueError(f"layer_types {unknown} are not supported (expected {sorted(_LAYER_TYPES)})")
     return InklingConfig(
@@ -221,8 +246,8 @@ def _inkling_config(hf: dict[str, Any], block_size: int) -> InklingConfig:
         logits_mup_width_multiplier=hf["logits_mup_width_multiplier"],
         rms_norm_eps=hf["rms_norm_eps"],
         block_size=block_size,
-        layer_types=tuple(_LAYER_TYPES[kind] for kind in hf["layer_types"]),
-        mlp_layer_types=tuple(hf["mlp_layer_types"]),
+        layer_types=tuple(_LAYER_TYPES[kind] for kind in layer_types),
+        mlp_layer_types=tuple(mlp_layer_types),
     )
 
 

@@ -83,8 +83,8 @@ ROUTING_NEAR_TIE = 2**-7
 MAX_NEAR_TIE_FRACTION = 1 / 4
 
 
-def _hf_config() -> InklingTextConfig:
-    return InklingTextConfig(**HF_CONFIG)
+def _hf_config(config: dict = HF_CONFIG) -> InklingTextConfig:
+    return InklingTextConfig(**config)
 
 
 def randomize_parameters(model: torch.nn.Module) -> None:
@@ -103,11 +103,11 @@ def randomize_parameters(model: torch.nn.Module) -> None:
                 param.normal_(0.0, param.shape[-1] ** -0.5)
 
 
-def _save(path, correction_bias):
-    """A tiny random transformers Inkling saved with ``save_pretrained`` (sharded: several files);
-    ``correction_bias(shape)`` gives each router's ``e_score_correction_bias``."""
+def _save(path, correction_bias, config: dict = HF_CONFIG):
+    """A tiny random transformers Inkling (``config``) saved with ``save_pretrained`` (sharded: several
+    files); ``correction_bias(shape)`` gives each router's ``e_score_correction_bias``."""
     torch.manual_seed(0)
-    model = InklingForCausalLM(_hf_config()).eval()
+    model = InklingForCausalLM(_hf_config(config)).eval()
     randomize_parameters(model)
     with torch.no_grad():
         for name, buffer in model.named_buffers():
@@ -215,8 +215,9 @@ def test_bad_weights_are_errors_that_name_them(checkpoint, tmp_path, edit, messa
         (lambda c: c.update(layer_types=["hybrid", "linear", "hybrid"]), r"layer_types \['linear'\] are not supported"),
         (lambda c: c.update(swa_num_key_value_heads=3), r"sliding layers: query heads \(4\) must be a multiple of KV heads \(3\)"),
         (lambda c: c.pop("log_scaling_alpha"), r"the Inkling config has no 'log_scaling_alpha'"),
+        (lambda c: c.update(num_hidden_layers=4), r"num_hidden_layers \(4\) must equal the number of layer_types \(3\)"),
     ],
-    ids=["model_type", "activation", "layer_type", "geometry", "missing_field"],
+    ids=["model_type", "activation", "layer_type", "geometry", "missing_field", "layer_count"],
 )
 def test_unsupported_configs_are_errors(checkpoint, tmp_path, config_edit, message):
     with pytest.raises(ValueError, match=message):
@@ -231,6 +232,21 @@ def _release_style_config(config: dict) -> None:
         config[alias] = config.pop(name)
     config["dense_intermediate_size"] = config["intermediate_size"]
     config["intermediate_size"] = config.pop("moe_intermediate_size")
+
+
+def _derived_layer_types(config: dict) -> None:
+    """No layer_types / mlp_layer_types (absent, or null): transformers derives them from local_layer_ids
+    and dense_mlp_idx; "swish" is transformers' other name for SiLU."""
+    del config["layer_types"]
+    config["mlp_layer_types"] = None
+    config.update(local_layer_ids=[0, 2], dense_mlp_idx=1, hidden_act="swish")
+
+
+def test_derived_layer_types_load_as_transformers_reads_them(checkpoint, tmp_path):
+    path = single_file_copy(checkpoint, tmp_path, config_edit=_derived_layer_types)
+    hf_config = InklingTextConfig.from_pretrained(path)
+    assert hf_config.layer_types == HF_CONFIG["layer_types"] and hf_config.mlp_layer_types == HF_CONFIG["mlp_layer_types"]
+    assert load_inkling(path).config == load_inkling(checkpoint).config
 
 
 def test_release_style_config_names_load_as_transformers_reads_them(checkpoint, tmp_path):
@@ -248,7 +264,7 @@ def test_release_style_config_names_load_as_transformers_reads_them(checkpoint, 
         (dict(layer_types=("sliding", "local")), r"layer_types must be 'sliding' or 'global'"),
         (dict(num_experts_per_tok=5), r"num_experts_per_tok \(5\) must be in 1..n_routed_experts \(4\)"),
         (dict(n_shared_experts=0), r"sparse MLP layers need n_shared_experts >= 1"),
-        (dict(unpadded_vocab_size=129), r"unpadded_vocab_size \(129\) must be in 1..vocab_size \(128\)"),
+        (dict(unpadded_vocab_size=0), r"unpadded_vocab_size must be None or >= 1, got 0"),
         (dict(num_heads=3), r"global layers: query heads \(3\) must be a multiple of KV heads \(2\)"),
         # were accepted: a ZeroDivisionError, a failure mid-step, NaN outputs ((pos + 1) / 0 scaling)
         (dict(num_kv_heads=0), r"num_kv_heads must be >= 1, got 0"),
@@ -281,6 +297,10 @@ def test_checkpoint_is_sharded_and_keeps_sconv_weights_fp32(checkpoint, hf16):
 
 
 def test_every_layer_equals_transformers_in_fp32(checkpoint, hf32):
+    _every_layer_equals_transformers_in_fp32(checkpoint, hf32)
+
+
+def _every_layer_equals_transformers_in_fp32(checkpoint, hf32) -> None:
     model = load_inkling(checkpoint, dtype=torch.float32)
     ids = torch.randint(0, VOCAB, (21,))
     io, want_logits = _layer_io(hf32, ids)
@@ -293,7 +313,7 @@ def test_every_layer_equals_transformers_in_fp32(checkpoint, hf32):
             assert err <= FP32_LAYER, f"layer {index} ({layer.kind}, {layer.mlp_kind}): relative error {err:.3g}"
             x = inkling_layer_reference(layer, x)
         logits = model.logits(x)
-    assert logits.shape == want_logits.shape == (21, 120)
+    assert logits.shape == want_logits.shape == (21, model.config.output_vocab_size)
     torch.testing.assert_close(logits, want_logits, atol=FP32_LAYER * want_logits.abs().max(), rtol=0)
 
 
@@ -374,6 +394,10 @@ class _LayerTap:
 def test_steps_equal_transformers_in_bf16(checkpoint, hf16, hf32):
     """Ragged chunked prefill, decode and verify steps with rejected drafts: every committed token's layer
     outputs and logits vs transformers on the whole sequence."""
+    _steps_equal_transformers_in_bf16(checkpoint, hf16, hf32)
+
+
+def _steps_equal_transformers_in_bf16(checkpoint, hf16, hf32) -> None:
     model = load_inkling(checkpoint)
     runner = StepRunner(model, max_requests=3, max_model_len=40, max_tokens=16, device="cpu", inputs=TOKENS)
     tap = _LayerTap(model)
@@ -381,7 +405,8 @@ def test_steps_equal_transformers_in_bf16(checkpoint, hf16, hf32):
     lengths = (31, 17, 24)
     truth = [[rng.randrange(VOCAB) for _ in range(n)] for n in lengths]
     layers = len(model.layers)
-    got = [[torch.full((n, 64 if j < layers else 120), float("nan")) for j in range(layers + 1)] for n in lengths]
+    widths = [model.config.hidden_size] * layers + [model.config.output_vocab_size]
+    got = [[torch.full((n, width), float("nan")) for width in widths] for n in lengths]
     committed, rejected = [0, 0, 0], 0
     prompt = (20, 5, 11)
     while any(c < n for c, n in zip(committed, lengths)):
@@ -455,12 +480,12 @@ def _rows_without_routing_near_ties(hf32, ids: torch.Tensor) -> list[torch.Tenso
     finally:
         for hook in hooks:
             hook.remove()
-    length, width, top_k = len(ids), HF_CONFIG["conv_kernel_size"], HF_CONFIG["num_experts_per_tok"]
+    length, width, top_k = len(ids), hf32.config.conv_kernel_size, hf32.config.num_experts_per_tok
     later = torch.zeros(length, dtype=torch.bool)
     keep = []
     for j in range(len(hf32.model.layers)):
         here = torch.zeros(length, dtype=torch.bool)
-        if j in scores:
+        if j in scores and top_k < scores[j].shape[-1]:  # (top_k = n_routed_experts: no choice to flip)
             ranked = scores[j].sort(-1, descending=True).values
             near = ranked[:, top_k - 1] - ranked[:, top_k] < ROUTING_NEAR_TIE
             for t in near.nonzero().flatten().tolist():
@@ -470,6 +495,37 @@ def _rows_without_routing_near_ties(hf32, ids: torch.Tensor) -> list[torch.Tenso
         else:
             keep.append(~later)
     return keep
+
+
+# -- other configurations ---------------------------------------------------------------------------------
+
+# Configs transformers accepts that differ from HF_CONFIG where stepops once refused them: only the layer kinds
+# in use are validated (transformers builds no others), and an unpadded_vocab_size above vocab_size keeps
+# every logit (transformers slices only below). Each also varies the geometry: MQA and GQA 4, k = E and
+# k = 1 routing, W = 3 and W = 2, no log scaling, a window of 3, no muP divisor.
+CONFIG_VARIANTS = {
+    "all_global_unused_swa_geometry": dict(
+        layer_types=["hybrid", "hybrid"], mlp_layer_types=["sparse", "dense"], num_hidden_layers=2,
+        num_key_value_heads=1, swa_num_attention_heads=4, swa_num_key_value_heads=3, sliding_window_size=0,
+        n_routed_experts=3, num_experts_per_tok=3, conv_kernel_size=3, log_scaling_n_floor=None,
+        unpadded_vocab_size=200,
+    ),
+    "all_sliding_unused_global_geometry": dict(
+        layer_types=["hybrid_sliding", "hybrid_sliding"], mlp_layer_types=["dense", "sparse"], num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=3, rel_extent=0, log_scaling_n_floor=0,
+        swa_num_attention_heads=8, swa_num_key_value_heads=2, sliding_window_size=3,
+        num_experts_per_tok=1, conv_kernel_size=2, logits_mup_width_multiplier=1.0,
+    ),
+}
+
+
+@pytest.mark.parametrize("variant", sorted(CONFIG_VARIANTS))
+def test_config_variants_equal_transformers(variant, tmp_path):
+    config = {**HF_CONFIG, **CONFIG_VARIANTS[variant]}
+    checkpoint = _save(tmp_path, lambda shape: torch.randn(shape) * 0.5, config)
+    hf32, hf16 = _hf(checkpoint, torch.float32), _hf(checkpoint, torch.bfloat16)
+    _every_layer_equals_transformers_in_fp32(checkpoint, hf32)
+    _steps_equal_transformers_in_bf16(checkpoint, hf16, hf32)
 
 
 # -- greedy generation ------------------------------------------------------------------------------------
