@@ -142,6 +142,12 @@ class InklingConfig:
             heads, kv_heads, _ = self.attention_geometry(kind)
             if kind in kinds and heads % kv_heads:
                 raise ValueError(f"{kind} layers: query heads ({heads}) must be a multiple of KV heads ({kv_heads})")
+            if kind in kinds and self.hidden_size % kv_heads:
+                # transformers has no such limit; the conv-state cache (design brief section 3) does.
+                raise ValueError(
+                    f"{kind} layers: hidden_size ({self.hidden_size}) must be divisible by KV heads ({kv_heads}): "
+                    "the conv-state cache gives each KV head an equal chunk of the attention and MLP output streams"
+                )
         if SPARSE in self.mlp_layer_types and not 0 < self.num_experts_per_tok <= self.n_routed_experts:
             raise ValueError(
                 f"num_experts_per_tok ({self.num_experts_per_tok}) must be in 1..n_routed_experts ({self.n_routed_experts})"
