@@ -7,6 +7,11 @@ into the fixed device buffers, then the forward), ``forward`` is the forward alo
 which is what CUDA-graph replay replaces. The first step's outputs of each mode are compared with eager
 (reported, not asserted: the model tests own that check). Skipped, with the reason, when
 ``stepops.models`` has no step runner.
+
+``moe_blocks``: one routed-expert block of each model at 64 experts top-8 (the small-step threshold is
+``T <= 7``), eagerly, at decode sizes T = 1 and 4 (and 8, past the threshold, for scale): the chosen-experts
+path a small step takes against the all-experts path on the same inputs and routing. On CPU both are timed
+in turns (``side_by_side_us``), so the ratio comes from one run under one load.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ from typing import Any, Callable
 
 import torch
 
-from benchmarks.harness import Settings, median_us
+from benchmarks.harness import Settings, median_us, side_by_side_us
 
 
 def _configs(settings: Settings):
@@ -83,7 +88,51 @@ def run_layers(settings: Settings, log: Callable[[str], None]) -> dict[str, Any]
             results.setdefault("max_abs_diff_vs_eager", {})[f"{model_name}/{mode}"] = diff
         results["models"].append({"model": model_name, "config": repr(config), "modes": modes,
                                    "cases": list(rows.values())})
+    results["moe_blocks"] = run_moe_blocks(settings, log)
     return results
+
+
+MOE_EXPERTS, MOE_TOP_K = 64, 8
+
+
+def run_moe_blocks(settings: Settings, log: Callable[[str], None]) -> list[dict[str, Any]]:
+    """Chosen-experts vs all-experts routed work of one MoE block per model (see the module docstring)."""
+    from stepops.models.inkling import InklingConfig, InklingMoE
+    from stepops.models.step5 import Step5Config, Step5MoE
+
+    device = settings.device
+    hidden, inner = (1024, 704) if device.type == "cuda" else (512, 256)
+    blocks = [
+        ("inkling", InklingMoE(InklingConfig(hidden_size=hidden, n_routed_experts=MOE_EXPERTS,
+                                             num_experts_per_tok=MOE_TOP_K), inner, torch.bfloat16)),
+        ("step5", Step5MoE(Step5Config(hidden_size=hidden, moe_num_experts=MOE_EXPERTS, moe_top_k=MOE_TOP_K,
+                                       moe_intermediate_size=inner), torch.bfloat16)),
+    ]
+    rows = []
+    gen = torch.Generator().manual_seed(0)
+    for name, moe in blocks:
+        moe = moe.to(device)
+        log(f"  moe block/{name}: {MOE_EXPERTS} experts top-{MOE_TOP_K}, hidden {hidden}, intermediate {inner}")
+        for tokens in (1, 4, 8):
+            x = torch.randn(tokens, hidden, generator=gen).to(device=device, dtype=torch.bfloat16)
+            with torch.inference_mode():
+                if name == "inkling":
+                    weights, _, chosen = moe.gate.route(x)
+                    small = lambda: moe.chosen_experts(x, weights, chosen)  # noqa: E731
+                    full = lambda: moe.all_experts(x, weights)  # noqa: E731
+                else:
+                    _, ids = moe.route(x)
+                    small = lambda: moe.chosen_experts(x, ids)  # noqa: E731
+                    full = lambda: moe.all_experts(x, ids)  # noqa: E731
+                equal = torch.equal(small(), full())
+                if device.type == "cuda":
+                    small_us, full_us = median_us(small, settings), median_us(full, settings)
+                else:
+                    small_us, full_us = side_by_side_us([small, full], settings)
+            rows.append({"model": name, "tokens": tokens, "takes_small_path": tokens <= moe.small_step_max_tokens,
+                         "chosen_experts_us": small_us, "all_experts_us": full_us,
+                         "all_over_chosen": full_us / small_us, "bitwise_equal": equal})
+    return rows
 
 
 def format_layers(results: dict[str, Any]) -> str:
@@ -101,4 +150,11 @@ def format_layers(results: dict[str, Any]) -> str:
         lines += ["  " + "  ".join(v.rjust(w) for v, w in zip(r, widths)) for r in rows]
     diffs = ", ".join(f"{k} {v:.3g}" for k, v in results.get("max_abs_diff_vs_eager", {}).items())
     lines.append(f"  first-step max |output - eager|: {diffs}")
+    if results.get("moe_blocks"):
+        lines.append(f"routed experts of one MoE block, {MOE_EXPERTS} experts top-{MOE_TOP_K} (us; eager)")
+        lines.append("  model     T  small path  chosen experts  all experts  all / chosen  bitwise")
+        for r in results["moe_blocks"]:
+            lines.append(f"  {r['model']:<8}{r['tokens']:>2}  {str(r['takes_small_path']):>10}  "
+                         f"{r['chosen_experts_us']:>14.1f}  {r['all_experts_us']:>11.1f}  "
+                         f"{r['all_over_chosen']:>12.2f}  {r['bitwise_equal']}")
     return "\n".join(lines)

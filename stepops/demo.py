@@ -148,7 +148,7 @@ def _run_mode(
     }
     if mode == COMPILED:
         row["graph_breaks"] = sum(counters["graph_break"].values())
-        row["recompiles"] = max(counters["stats"]["unique_graphs"] - 1, 0)
+        row["recompiles"] = max(counters["stats"]["unique_graphs"] - len(runner.token_ranges), 0)
     _say(
         f"  {name} {mode}: {result.steps} steps, {result.tokens} tokens, {result.seconds:.2f} s"
         + (f", max |err| vs eager {err:g}, {rows_off} of {rows} rows outside the bound"

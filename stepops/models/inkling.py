@@ -50,6 +50,7 @@ from torch import nn
 from stepops.allocator import KVCaches, allocate_kv_caches
 from stepops.layouts import InklingConvStateLayout, InklingStream
 from stepops.models.metadata import InklingStepMetadata, StepBuffers, bound_size, build_inkling_metadata
+from stepops.models.moe import small_step_max_tokens
 from stepops.models.paged_attention import paged_attention
 from stepops.models.tensor_parallel import (
     ShardRule,
@@ -268,6 +269,12 @@ class InklingRouter(nn.Module):
         self.register_buffer("e_score_correction_bias", torch.zeros(c.n_routed_experts))
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        weights, gammas, _ = self.route(x)
+        return weights, gammas
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """:meth:`forward` and the chosen expert ids ``[T, k]`` int64, in ``topk(sorted=False)``'s order (which
+        is the kernel's, not ascending and not by score; only the order logsumexp sums in depends on it)."""
         logits = F.linear(x.float(), self.weight.float())
         routed_logits, shared_logits = logits[:, : self.num_experts], logits[:, self.num_experts :]
         choice = logits.sigmoid()[:, : self.num_experts] + self.e_score_correction_bias.float()
@@ -278,16 +285,29 @@ class InklingRouter(nn.Module):
         probs = (probs * self.route_scale * self.global_scale.float()).to(x.dtype)
         weights = torch.zeros(x.shape[0], self.num_experts, dtype=x.dtype, device=x.device)
         weights = weights.scatter(1, chosen, probs[:, : self.top_k])
-        return weights, probs[:, self.top_k :]
+        return weights, probs[:, self.top_k :], chosen
 
 
 class InklingMoE(nn.Module):
     """Sparse MLP: routed experts (weighted by the router) + shared experts (weighted by their gammas).
 
-    Every routed expert runs on every token and is added in ascending expert order with its weight (0 when
-    not chosen; added only where chosen): the order transformers' eager loop adds the chosen ones in, with
-    static shapes and no host sync (CUDA graphs). A grouped-GEMM kernel is the scalable version of this.
-    ``intermediate`` is this rank's share of ``moe_intermediate_size``.
+    Each token's chosen routed experts are added in ascending expert id order, each output times its router
+    weight in ``x.dtype`` and added only where that weight is not 0, into ``x.dtype`` starting from 0: the
+    order transformers' eager loop adds them in. Two paths with these semantics, picked by the step's token
+    count ``T`` (a static shape: fixed in a CUDA graph, and the runner compiles one graph per side of the
+    threshold, see :meth:`small_step_max_tokens`), neither with a host sync or a data-dependent shape:
+
+    - ``T * top_k < n_routed_experts`` (decode and verify steps of real models): only the chosen experts
+      run. Their weights are gathered per (token, slot), ``[T, k, 2I, hidden]`` and ``[T, k, hidden, I]``,
+      and run as batched matrix-vector products; slots are sorted by expert id for the sum.
+    - otherwise every expert runs on every token, in ascending expert order (``E / k`` times the routed
+      work, but no weight is read twice); a grouped-GEMM kernel is the scalable version of this.
+
+    The two differ only where a GEMM's blocking depends on its row count (1 row per (token, slot) against
+    ``T`` rows per expert): in bf16 on CPU they were bitwise equal (tests/models/test_moe_small_step.py); in
+    fp32 a few ulps of a dot product, which the transformers oracle's ``FP32_LAYER`` already allows for.
+    ``intermediate`` is this rank's share of ``moe_intermediate_size`` (tensor parallel: each rank gathers
+    its own shard of the chosen experts; the router is replicated, so every rank takes the same path).
     """
 
     def __init__(self, config: InklingConfig, intermediate: int, dtype: torch.dtype) -> None:
@@ -300,14 +320,44 @@ class InklingMoE(nn.Module):
         self.shared_up = _randn(c.n_shared_experts, intermediate, c.hidden_size, dtype=dtype)
         self.shared_down = _randn(c.n_shared_experts, c.hidden_size, intermediate, dtype=dtype)
 
+    @property
+    def small_step_max_tokens(self) -> int:
+        """The largest token count that runs only the chosen experts (``T * top_k < n_routed_experts``)."""
+        return small_step_max_tokens(self.gate.num_experts, self.gate.top_k)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, gammas = self.gate(x)
+        weights, gammas, chosen = self.gate.route(x)
+        if x.shape[0] <= self.small_step_max_tokens:
+            routed = self.chosen_experts(x, weights, chosen)
+        else:
+            routed = self.all_experts(x, weights)
+        return routed + self._shared(x, gammas)
+
+    def all_experts(self, x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Routed output ``[T, hidden]``: every expert on every token, added in expert order where chosen."""
         routed = torch.zeros_like(x)
         for expert in range(self.experts_gate_up.shape[0]):
             gate, up = F.linear(x, self.experts_gate_up[expert]).chunk(2, dim=-1)
             out = F.linear(F.silu(gate) * up, self.experts_down[expert]) * weights[:, expert, None]
             routed = torch.where(weights[:, expert, None] != 0, routed + out, routed)
-        return routed + self._shared(x, gammas)
+        return routed
+
+    def chosen_experts(self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+        """Routed output ``[T, hidden]``: only the ``chosen [T, k]`` experts, added in ascending id order."""
+        num_tokens, top_k = chosen.shape
+        ids = chosen.sort(dim=-1).values  # topk(sorted=False) gives no id order; the sum needs ascending ids
+        slot_weights = weights.gather(1, ids)  # [T, k], x.dtype, as the dense table holds them
+        flat = ids.flatten()
+        gate_up = self.experts_gate_up.index_select(0, flat).view(num_tokens, top_k, *self.experts_gate_up.shape[1:])
+        down = self.experts_down.index_select(0, flat).view(num_tokens, top_k, *self.experts_down.shape[1:])
+        # One row per (token, slot): [T, k, 1, hidden] @ [T, k, hidden, 2I], the row-times-W^T of F.linear.
+        gate, up = (x[:, None, None, :] @ gate_up.transpose(-1, -2)).chunk(2, dim=-1)
+        out = (F.silu(gate) * up) @ down.transpose(-1, -2)  # [T, k, 1, hidden]
+        out = out[:, :, 0] * slot_weights[:, :, None]
+        routed = torch.zeros_like(x)
+        for slot in range(top_k):
+            routed = torch.where(slot_weights[:, slot, None] != 0, routed + out[:, slot], routed)
+        return routed
 
     def _shared(self, x: torch.Tensor, gammas: torch.Tensor) -> torch.Tensor:
         """Shared experts as one batched matmul each, summed in fp32 (transformers' order)."""

@@ -2,7 +2,8 @@
 
 :class:`StepRunner` owns one model's caches (each layer its own, through the allocator), a fixed set of
 device buffers (:class:`StepBuffers` and a ``[max_tokens, hidden]`` input buffer) and the step function,
-run eagerly, compiled (``torch.compile(fullgraph=True)``, one graph for every padded size ``T >= 2``) or
+run eagerly, compiled (``torch.compile(fullgraph=True)``, one graph for every padded size ``T >= 2``, or
+two where an MoE block runs only the chosen experts at small ``T``: see :func:`token_ranges_for`) or
 replayed from CUDA graphs (one per capture size). Each step pads its token count up to a capture size
 (padding tokens carry ``-1`` and write nothing) and copies the schedule into the fixed buffers; the model
 derives every per-token tensor on the device.
@@ -50,6 +51,23 @@ def capture_sizes_for(max_tokens: int) -> tuple[int, ...]:
         sizes.append(size)
         size *= 2
     return tuple(sizes) + (max(max_tokens, 2),)
+
+
+def token_ranges_for(model: torch.nn.Module, max_size: int) -> tuple[tuple[int, int], ...]:
+    """The ranges ``(min, max)`` of padded step sizes ``2 .. max_size`` that share one compiled graph.
+
+    One range, unless a module of ``model`` takes a path by the step's token count: an MoE block's
+    ``small_step_max_tokens`` (:mod:`stepops.models.moe`) splits the sizes after it. Within a range the
+    token dimension is dynamic and every branch on it is decided by the range alone; one range across the
+    bound would need a guard on the size, which ``mark_dynamic``'s declared range refuses.
+    """
+    bounds = sorted({m.small_step_max_tokens for m in model.modules() if hasattr(m, "small_step_max_tokens")})
+    ranges, low = [], 2
+    for bound in bounds:
+        if low <= bound < max_size:
+            ranges.append((low, bound))
+            low = bound + 1
+    return tuple(ranges) + ((low, max(max_size, 2)),)
 
 
 class StepRunner:
@@ -131,6 +149,7 @@ class StepRunner:
         self._compiled: Callable[..., torch.Tensor] | None = None
         if mode == COMPILED:
             self._compiled = torch.compile(self._forward, backend=compile_backend, fullgraph=True)
+        self.token_ranges = token_ranges_for(model, self.capture_sizes[-1])
         self.steps = 0
         self.tokens = 0
 
@@ -197,9 +216,10 @@ class StepRunner:
         fn = self._forward
         if self._compiled is not None:
             fn = self._compiled
-            # One graph for every capture size: T is symbolic from the first call on (sizes >= 2 only;
-            # see capture_sizes_for), instead of a static graph and a dynamic recompile.
-            torch._dynamo.mark_dynamic(hidden, 0, min=2, max=self.capture_sizes[-1])
+            # One graph for every capture size of a token range: T is symbolic from the first call on
+            # (sizes >= 2 only; see capture_sizes_for), instead of a static graph and a dynamic recompile.
+            low, high = next(r for r in self.token_ranges if r[0] <= size <= r[1])
+            torch._dynamo.mark_dynamic(hidden, 0, min=low, max=high)
         with torch.inference_mode():
             return fn(hidden, self.buffers)
 

@@ -43,6 +43,7 @@ from stepops.models.metadata import (
     common_attn_block_size,
     common_size,
 )
+from stepops.models.moe import small_step_max_tokens
 from stepops.models.paged_attention import csa_region_scorer, paged_attention, sparse_region_attention, streaming_topk
 from stepops.ops.paged_kv_write import paged_kv_write
 from stepops.owners import PagedAttentionLayer, Step5CSATailRing
@@ -322,11 +323,22 @@ class Step5MoE(nn.Module):
 
     Routing: ``s = sigmoid(x W_gate^T) + bias`` in fp32, the top-k experts by ``s``, weights ``s - bias``
     renormalised to sum 1 and scaled by ``moe_router_scaling_factor``. Each chosen expert's clamped SwiGLU
-    output (bf16) is summed in slot order with an fp32 accumulator and rounded once to bf16.
+    output (bf16) is summed in slot order (best expert first) with an fp32 accumulator and rounded once to
+    bf16, as the reference's ``Step4MoE.forward``.
 
-    Static shapes: every expert runs on every token (``num_experts / top_k`` times the routed work) and
-    the chosen outputs are gathered, so routing needs no data-dependent shape or host sync. This is the
-    correctness path, not a serving kernel.
+    Two paths with these semantics, picked by the step's token count ``T`` (a static shape: fixed in a CUDA
+    graph; the runner compiles one graph per side of :attr:`small_step_max_tokens`), neither with a
+    data-dependent shape or a host sync:
+
+    - ``T * top_k < num_experts`` (decode and verify steps of real models, e.g. 352 experts top-8 up to
+      T = 43): the chosen experts' weights are gathered per (token, slot), ``[T, k, I, hidden]`` and
+      ``[T, k, hidden, I]``, and run as batched matrix-vector products: ``k`` experts' work per token.
+    - otherwise every expert runs on every token as one GEMM (``num_experts / top_k`` times the routed
+      work) and the chosen outputs are gathered.
+
+    They differ only where a GEMM's blocking depends on its row count (1 row per (token, slot) against ``T``
+    rows): in bf16 on CPU bitwise equal (tests/models/test_moe_small_step.py), in fp32 a few ulps of a dot
+    product. Expert weights are whatever the parameters hold (fp8 checkpoints are dequantised at load).
     """
 
     def __init__(self, config: Step5Config, dtype: torch.dtype) -> None:
@@ -341,6 +353,11 @@ class Step5MoE(nn.Module):
         self.up_proj = StackedExpertWeight(c.moe_num_experts, c.moe_intermediate_size, c.hidden_size, dtype)
         self.down_proj = StackedExpertWeight(c.moe_num_experts, c.hidden_size, c.moe_intermediate_size, dtype)
 
+    @property
+    def small_step_max_tokens(self) -> int:
+        """The largest token count that runs only the chosen experts (``T * top_k < num_experts``)."""
+        return small_step_max_tokens(self.gate_proj.weight.shape[0], self.top_k)
+
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``x [T, hidden]`` -> ``(weights [T, k] fp32, expert ids [T, k])``, best expert first."""
         scores = torch.sigmoid(F.linear(x.float(), self.gate.weight.float())) + self.router_bias
@@ -350,19 +367,37 @@ class Step5MoE(nn.Module):
         return weights * self.scaling_factor, ids
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        num_tokens = x.shape[0]
-        num_experts, inner, hidden = self.gate_proj.weight.shape
         weights, ids = self.route(x)
-        gate = F.linear(x, self.gate_proj.weight.reshape(num_experts * inner, hidden)).view(num_tokens, num_experts, inner)
-        up = F.linear(x, self.up_proj.weight.reshape(num_experts * inner, hidden)).view(num_tokens, num_experts, inner)
-        act = clamped_swiglu(gate, up, self.limit).transpose(0, 1)  # [E, T, I]
-        expert_out = torch.bmm(act, self.down_proj.weight.transpose(1, 2))  # [E, T, hidden] bf16
-        chosen = expert_out.transpose(0, 1).gather(1, ids[:, :, None].expand(-1, -1, hidden))  # [T, k, hidden]
-        out = torch.zeros(num_tokens, hidden, dtype=torch.float32, device=x.device)
+        if x.shape[0] <= self.small_step_max_tokens:
+            chosen = self.chosen_experts(x, ids)
+        else:
+            chosen = self.all_experts(x, ids)
+        out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
         for slot in range(self.top_k):
             out = out + chosen[:, slot].float() * weights[:, slot, None]
         return out.to(x.dtype)
 
+    def all_experts(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """``[T, k, hidden]``: every expert on every token (one GEMM), the outputs of ``ids [T, k]`` gathered."""
+        num_tokens = x.shape[0]
+        num_experts, inner, hidden = self.gate_proj.weight.shape
+        gate = F.linear(x, self.gate_proj.weight.reshape(num_experts * inner, hidden)).view(num_tokens, num_experts, inner)
+        up = F.linear(x, self.up_proj.weight.reshape(num_experts * inner, hidden)).view(num_tokens, num_experts, inner)
+        act = clamped_swiglu(gate, up, self.limit).transpose(0, 1)  # [E, T, I]
+        expert_out = torch.bmm(act, self.down_proj.weight.transpose(1, 2))  # [E, T, hidden] bf16
+        return expert_out.transpose(0, 1).gather(1, ids[:, :, None].expand(-1, -1, hidden))
+
+    def chosen_experts(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """``[T, k, hidden]``: only the experts ``ids [T, k]``, their weights gathered per (token, slot)."""
+        num_tokens, top_k = ids.shape
+        flat = ids.flatten()
+
+        def gathered(weight: torch.Tensor) -> torch.Tensor:  # [E, out, in] -> [T, k, in, out] (W^T per slot)
+            return weight.index_select(0, flat).view(num_tokens, top_k, *weight.shape[1:]).transpose(-1, -2)
+
+        row = x[:, None, None, :]  # one row per (token, slot), as F.linear's row-times-W^T
+        act = clamped_swiglu(row @ gathered(self.gate_proj.weight), row @ gathered(self.up_proj.weight), self.limit)
+        return (act @ gathered(self.down_proj.weight))[:, :, 0]  # [T, k, hidden] bf16
 
 class Step5Attention(nn.Module):
     """The attention block: projections, per-head q/k norms, rope, the head-wise gate and, on CSA layers,

@@ -92,6 +92,19 @@ def test_step5_matches_the_independent_recompute(config, seed):
     _compare(model, _run(model, _WORKLOAD, seed), checkpoint)
 
 
+def test_step5_small_steps_run_only_the_chosen_experts(monkeypatch):
+    """16 experts top-2: steps of up to 7 tokens (``T * k < E``; here steps padded to 2 and 4, mostly decode
+    and verify) gather only the chosen experts, those of 8 run all of them; both against the recompute,
+    which runs each expert on its chosen rows as the reference does."""
+    taken = []
+    chosen = step5.Step5MoE.chosen_experts
+    monkeypatch.setattr(step5.Step5MoE, "chosen_experts", lambda self, *a: (taken.append(a[0].shape[0]), chosen(self, *a))[1])
+    model, checkpoint = _step5(Step5Config(moe_num_experts=16), seed=0)
+    workload = Workload(**{**_WORKLOAD.__dict__, "token_budget": 8})  # steps of 2, 4 and 8 tokens
+    _compare(model, _run(model, workload, seed=0), checkpoint)
+    assert len(taken) >= 4 and set(taken) <= {2, 4}, taken
+
+
 @pytest.mark.parametrize(
     "config",
     [

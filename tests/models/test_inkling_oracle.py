@@ -301,9 +301,9 @@ def test_every_layer_equals_transformers_in_fp32(checkpoint, hf32):
     _every_layer_equals_transformers_in_fp32(checkpoint, hf32)
 
 
-def _every_layer_equals_transformers_in_fp32(checkpoint, hf32) -> None:
+def _every_layer_equals_transformers_in_fp32(checkpoint, hf32, length: int = 21) -> None:
     model = load_inkling(checkpoint, dtype=torch.float32)
-    ids = torch.randint(0, VOCAB, (21,))
+    ids = torch.randint(0, VOCAB, (length,))
     io, want_logits = _layer_io(hf32, ids)
     with torch.no_grad():
         assert torch.equal(model.embed(ids), io[0][0])  # the normed embedding, bitwise
@@ -314,7 +314,7 @@ def _every_layer_equals_transformers_in_fp32(checkpoint, hf32) -> None:
             assert err <= FP32_LAYER, f"layer {index} ({layer.kind}, {layer.mlp_kind}): relative error {err:.3g}"
             x = inkling_layer_reference(layer, x)
         logits = model.logits(x)
-    assert logits.shape == want_logits.shape == (21, model.config.output_vocab_size)
+    assert logits.shape == want_logits.shape == (length, model.config.output_vocab_size)
     torch.testing.assert_close(logits, want_logits, atol=FP32_LAYER * want_logits.abs().max(), rtol=0)
 
 
@@ -527,6 +527,31 @@ def test_config_variants_equal_transformers(variant, tmp_path):
     hf32, hf16 = _hf(checkpoint, torch.float32), _hf(checkpoint, torch.bfloat16)
     _every_layer_equals_transformers_in_fp32(checkpoint, hf32)
     _steps_equal_transformers_in_bf16(checkpoint, hf16, hf32)
+
+
+# 16 routed experts, top-2: steps of up to 7 tokens run only the chosen experts (``T * k < E``), so the
+# decode and verify steps here (padded to 2 or 4) take that path and the prefill steps (8, 16) the
+# all-experts one, both against transformers. With 16 scores the k-th and next lie closer than with 4: a
+# correction bias of std 0.5 left 26% of the rows out as routing near ties, std 1.25 leaves 10% (30 of
+# 288) while tokens still pick different pairs (5 experts in 4 pairs over 40 random inputs of layer 2).
+SMALL_STEP_CONFIG = dict(n_routed_experts=16)
+SMALL_STEP_BIAS_STD = 1.25
+
+
+def test_small_steps_run_only_the_chosen_experts_and_equal_transformers(tmp_path, monkeypatch):
+    from stepops.models.inkling import InklingMoE
+
+    taken = []
+    chosen = InklingMoE.chosen_experts
+    monkeypatch.setattr(InklingMoE, "chosen_experts", lambda self, *a: (taken.append(a[0].shape[0]), chosen(self, *a))[1])
+    checkpoint = _save(tmp_path, lambda shape: torch.randn(shape) * SMALL_STEP_BIAS_STD, {**HF_CONFIG, **SMALL_STEP_CONFIG})
+    hf32, hf16 = _hf(checkpoint, torch.float32), _hf(checkpoint, torch.bfloat16)
+    _every_layer_equals_transformers_in_fp32(checkpoint, hf32, length=5)  # no cache: T = 5 per layer
+    assert taken == [5, 5, 5, 5], taken  # each sparse layer twice (its own input, then the stack's)
+    taken.clear()
+    _steps_equal_transformers_in_bf16(checkpoint, hf16, hf32)
+    assert taken and set(taken) <= {2, 4}, taken  # (T = 1 never: the runner pads a lone token to 2)
+    assert len(taken) >= 2 * 4, f"{len(taken) // 2} small steps (two sparse layers each)"
 
 
 # -- greedy generation ------------------------------------------------------------------------------------

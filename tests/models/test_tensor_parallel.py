@@ -11,7 +11,8 @@ the same scripted workload (chunked prefill, decode, verify with rejected drafts
 - Everything downstream (outputs, every cache row of both layers): within
   ``TOLERANCES["tensor_parallel_vs_single_rank"]``. A rank that loads the other rank's shard must fall
   outside it.
-- Compiled tp = 2 == eager tp = 2 bitwise (outputs and caches), one graph, no graph break; every rank's
+- Compiled tp = 2 == eager tp = 2 bitwise (outputs and caches), one graph per token range (decode steps
+  of T = 2 run only the chosen experts, on each rank its shard of them), no graph break; every rank's
   outputs are the same bits.
 
 The two processes start once per module (about 30-40 s on 2 cores); each rank records its checks in a
@@ -33,15 +34,16 @@ from torch._dynamo.utils import counters
 
 from stepops.layouts import InklingStream
 from stepops.models import InklingConfig, InklingDecoderLayer, InklingModel
-from stepops.models.inkling import DENSE, SPARSE, inkling_sharding, shard_inkling_state_dict
+from stepops.models.inkling import DENSE, SPARSE, InklingMoE, inkling_sharding, shard_inkling_state_dict
 from stepops.models.runner import COMPILED, EAGER, StepRunner, Workload, run_workload
 from stepops.models.tensor_parallel import spawn_ranks
 from stepops.testing import TOLERANCES
 
 TP = 2
 # 2 KV heads in both layer kinds (sliding: head size 8, global: 16), 4 query heads, hidden 64: one KV head
-# per rank; a dense MLP in the sliding layer and a sparse one (4 experts, each split over the ranks) in the global.
-CONFIG = InklingConfig(mlp_layer_types=(DENSE, SPARSE))
+# per rank; a dense MLP in the sliding layer and a sparse one (8 experts top-2, each split over the ranks) in
+# the global: steps of T = 2 run only the chosen experts' shards (T * k < 8), longer ones every expert's.
+CONFIG = InklingConfig(mlp_layer_types=(DENSE, SPARSE), n_routed_experts=8)
 WORKLOAD = Workload(prompt_lens=(13, 6, 3), decode_lens=(6, 8, 7), num_speculative_tokens=3, token_budget=8)
 CHECKS = (
     "eager_outputs_within_bound",
@@ -51,7 +53,8 @@ CHECKS = (
     "swapped_shards_fail_the_bound",
     "ranks_replicated",
     "compiled_equals_eager",
-    "compiled_one_graph_no_breaks",
+    "compiled_one_graph_per_token_range_no_breaks",
+    "small_steps_ran_the_chosen_experts",
     "tp_above_kv_heads_refused",
 )
 
@@ -91,13 +94,19 @@ def _rank_checks(rank: int, tp_size: int, out_dir: str) -> None:
     full = InklingModel(CONFIG)
     want = run_workload(_runner(full), WORKLOAD, CONFIG.hidden_size)
     eager = _sharded(full, rank, shard_of=rank)
-    got = run_workload(_runner(eager), WORKLOAD, CONFIG.hidden_size)
+    small_steps = []
+    chosen_experts = InklingMoE.chosen_experts
+    InklingMoE.chosen_experts = lambda self, *a: (small_steps.append(a[0].shape[0]), chosen_experts(self, *a))[1]
+    try:
+        got = run_workload(_runner(eager), WORKLOAD, CONFIG.hidden_size)
+    finally:
+        InklingMoE.chosen_experts = chosen_experts
     swapped = run_workload(_runner(_sharded(full, rank, shard_of=1 - rank)), WORKLOAD, CONFIG.hidden_size)
     counters.clear()
     backend = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
     compiled_model = _sharded(full, rank, shard_of=rank)
     compiled_runner = _runner(compiled_model, COMPILED, backend)
-    compiled_runner.warm_up()  # every capture size (T = 2, 4, 8) through the one dynamic graph
+    compiled_runner.warm_up()  # every capture size: T = 2 (chosen experts) and T = 4, 8 (one dynamic graph)
     compiled = run_workload(compiled_runner, WORKLOAD, CONFIG.hidden_size)
     graph_breaks = dict(counters["graph_break"])
     everyone = [None] * tp_size
@@ -158,9 +167,13 @@ def _rank_checks(rank: int, tp_size: int, out_dir: str) -> None:
         for a, b in zip(compiled_model.cache_tensors(), eager.cache_tensors()):
             assert torch.equal(a, b), "caches"
 
-    def compiled_one_graph_no_breaks():
+    def compiled_one_graph_per_token_range_no_breaks():
         assert not graph_breaks, graph_breaks
-        assert backend.frame_count == 1, f"{backend.frame_count} graphs"
+        assert compiled_runner.token_ranges == ((2, 3), (4, 8)), compiled_runner.token_ranges
+        assert backend.frame_count == 2, f"{backend.frame_count} graphs"
+
+    def small_steps_ran_the_chosen_experts():
+        assert small_steps and set(small_steps) == {2}, small_steps
 
     def tp_above_kv_heads_refused():
         context: dict = {}
