@@ -247,9 +247,11 @@ def _triton_kernels_on_cpu():
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # "Overriding a previously registered kernel"
-            lib.impl("paged_kv_write", paged_kv_write_triton, "CPU")
-            lib.impl("sconv", sconv_triton, "CPU")
-            lib.impl("csa_ring_update", csa_ring_update_triton, "CPU")
+            # allow_override stated: torch 2.13 defaults it to True, torch 2.11 to False (a RuntimeError).
+            for name, launcher in (
+                ("paged_kv_write", paged_kv_write_triton), ("sconv", sconv_triton), ("csa_ring_update", csa_ring_update_triton)
+            ):
+                lib.impl(name, launcher, "CPU", allow_override=True)
         yield
     finally:
         lib._destroy()  # the PyTorch kernels are the CPU kernels again
