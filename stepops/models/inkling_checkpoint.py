@@ -200,8 +200,9 @@ def _layer_types(hf: dict[str, Any]) -> tuple[list[str], list[str]]:
     (default 0) MLPs are dense, the rest sparse. ``ValueError`` when the counts disagree with
     ``num_hidden_layers`` (transformers refuses those too)."""
     layer_types, mlp_layer_types = hf.get("layer_types"), hf.get("mlp_layer_types")
-    if layer_types is None or mlp_layer_types is None:
-        count = hf["num_hidden_layers"]
+    count = hf.get("num_hidden_layers")
+    if count is None and (layer_types is None or mlp_layer_types is None):
+        raise KeyError("num_hidden_layers")  # derived types need it; the caller names the missing field
     if layer_types is None:
         local = hf.get("local_layer_ids")
         local = set(local) if local is not None else {i for i in range(count) if (i + 1) % 6}
@@ -209,7 +210,6 @@ def _layer_types(hf: dict[str, Any]) -> tuple[list[str], list[str]]:
     if mlp_layer_types is None:
         dense = hf.get("dense_mlp_idx") or 0
         mlp_layer_types = ["dense" if i < dense else "sparse" for i in range(count)]
-    count = hf.get("num_hidden_layers")
     for name, types in (("layer_types", layer_types), ("mlp_layer_types", mlp_layer_types)):
         if count is not None and len(types) != count:
             raise ValueError(f"num_hidden_layers ({count}) must equal the number of {name} ({len(types)})")
