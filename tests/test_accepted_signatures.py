@@ -4,11 +4,13 @@ Dynamo trace, and without Dynamo's C++ guards (a torch that drops them) every ca
 """
 
 import gc
+import sys
 import weakref
 
 import pytest
 import torch
 from torch._dynamo.testing import CompileCounter
+from torch.compiler import is_dynamo_compiling
 
 from stepops._library import registered_ops
 from stepops._meta import accepted
@@ -23,13 +25,25 @@ def _signature():
     return (torch.zeros(3, 4), torch.zeros(5, dtype=torch.int32)), 7
 
 
+def _lookup(memo: AcceptedSignatures, tensors: tuple, scalar: int | None = None):
+    """The lookup each check in ``stepops._meta`` opens with, written out as ``AcceptedSignatures``'
+    docstring gives it (over a tuple here): the remembered signature the call matches, or None."""
+    if type(scalar) in (int, type(None)) and not is_dynamo_compiling():
+        for accepted in memo.entries:
+            if accepted.scalar == scalar and accepted.guards.check(*tensors):
+                if accepted is not memo.entries[0]:
+                    memo.promote(accepted)
+                return accepted
+    return None
+
+
 def test_a_remembered_signature_matches_equal_metadata_only():
     memo = AcceptedSignatures()
     (x, ids), scalar = _signature()
-    assert memo.match((x, ids), scalar) is None
+    assert _lookup(memo, (x, ids), scalar) is None
     memo.remember((x, ids), scalar, result="sizes")
-    assert memo.match((x, ids), scalar).result == "sizes"
-    assert memo.match((torch.ones(4, 3).t(), ids.clone()), scalar) is not None, "other tensors, other strides"
+    assert _lookup(memo, (x, ids), scalar).result == "sizes"
+    assert _lookup(memo, (torch.ones(4, 3).t(), ids.clone()), scalar) is not None, "other tensors, other strides"
     for other in (
         ((x.double(), ids), scalar),
         ((torch.zeros(3, 5), ids), scalar),
@@ -39,19 +53,34 @@ def test_a_remembered_signature_matches_equal_metadata_only():
         ((x, ids), None),
         ((x, x), scalar),  # one tensor twice: the guards need distinct tensors
     ):
-        assert memo.match(*other) is None, other
+        assert _lookup(memo, *other) is None, other
     with torch.inference_mode():  # another dispatch key set
-        assert memo.match((x, ids), scalar) is None
+        assert _lookup(memo, (x, ids), scalar) is None
 
 
-def test_a_bool_never_passes_for_an_int():
+def test_a_bool_is_never_remembered_as_an_int():
     memo = AcceptedSignatures()
     tensors, _ = _signature()
-    memo.remember(tensors, 1)
-    assert memo.match(tensors, 1) is not None
-    assert memo.match(tensors, True) is None
     memo.remember(tensors, True)
-    assert memo.match(tensors, True) is None
+    assert memo.entries == ()
+
+
+@pytest.mark.parametrize("entry", [e for e in _ENTRIES if e.name != "paged_kv_write"], ids=lambda e: e.name)
+def test_a_bool_never_passes_an_ops_check_for_its_int(entry):
+    """csa_ring_update's capacity and sconv's stream_offset: after the int was accepted, the same call with
+    the bool that equals it (True == 1) still fails the checks."""
+    sample = next(iter(entry.samples(torch.device("cpu"))))
+    position = next(i for i, a in enumerate(sample.args) if type(a) is int)
+    args = list(sample.args)
+    args[position] = 1
+    try:
+        entry.fake(*args, **sample.kwargs)
+        entry.fake(*args, **sample.kwargs)  # remembered, if the checks accept 1 here
+    except ValueError:
+        pass  # 1 is out of range for this sample: the bool must still fail as a bool
+    args[position] = True
+    with pytest.raises(TypeError, match="must be an int"):
+        entry.fake(*args, **sample.kwargs)
 
 
 def test_the_most_recent_match_comes_first_and_the_oldest_goes():
@@ -59,8 +88,9 @@ def test_the_most_recent_match_comes_first_and_the_oldest_goes():
     signatures = [((torch.zeros(n),), None) for n in range(1, AcceptedSignatures.SIZE + 2)]
     for tensors, scalar in signatures:
         memo.remember(tensors, scalar, result=tensors[0].numel())
-    assert memo.match(*signatures[0]) is None, "the oldest one went"
-    assert [memo.match(*s).result for s in signatures[1:]] == list(range(2, AcceptedSignatures.SIZE + 2))
+    assert _lookup(memo, *signatures[0]) is None, "the oldest one went"
+    assert [_lookup(memo, *s).result for s in signatures[1:]] == list(range(2, AcceptedSignatures.SIZE + 2))
+    assert [a.result for a in memo.entries] == list(range(AcceptedSignatures.SIZE + 1, 1, -1)), "matched to the front"
 
 
 def test_a_call_that_passes_a_tensor_twice_is_not_remembered():
@@ -68,8 +98,9 @@ def test_a_call_that_passes_a_tensor_twice_is_not_remembered():
     tensors, scalar = _signature()
     memo.remember(tensors, scalar)
     memo.remember((tensors[0], tensors[0]), scalar)
-    assert memo.match(tensors, scalar) is not None, "the earlier signature stays in front"
-    assert memo.match((tensors[0], tensors[0]), scalar) is None
+    assert len(memo.entries) == 1
+    assert _lookup(memo, tensors, scalar) is not None
+    assert _lookup(memo, (tensors[0], tensors[0]), scalar) is None
 
 
 def test_fake_tensors_are_not_remembered_and_tensors_not_kept_alive():
@@ -77,7 +108,7 @@ def test_fake_tensors_are_not_remembered_and_tensors_not_kept_alive():
     with torch._subclasses.FakeTensorMode():
         fake = (torch.zeros(3),)
     memo.remember(fake)
-    assert memo.match(fake) is None
+    assert memo.entries == ()
     tensor = torch.zeros(3)
     alive = weakref.ref(tensor)
     memo.remember((tensor,))
@@ -91,7 +122,7 @@ def test_without_the_guards_every_call_runs_the_checks(monkeypatch):
     memo = AcceptedSignatures()
     tensors, scalar = _signature()
     memo.remember(tensors, scalar)
-    assert memo.match(tensors, scalar) is None
+    assert memo.entries == () and _lookup(memo, tensors, scalar) is None
 
 
 @pytest.mark.parametrize("case", _SHAPE_ERRORS, ids=[c.name for c in _SHAPE_ERRORS])
@@ -106,13 +137,22 @@ def test_a_bad_call_after_accepted_ones_raises_its_error(case):
 
 @pytest.mark.parametrize("entry", _ENTRIES, ids=[e.name for e in _ENTRIES])
 def test_every_op_checks_a_repeated_call_against_its_remembered_signatures(entry, monkeypatch):
-    found = []
-    match = AcceptedSignatures.match
-    monkeypatch.setattr(AcceptedSignatures, "match", lambda self, *args: found.append(match(self, *args)) or found[-1])
-    sample = next(iter(entry.samples(torch.device("cpu"))))
-    for _ in range(2):
+    """A call runs the checks and remembers its signature (unless an earlier sample's matches it); the
+    repeated call matches and runs neither. With every sample, so that a lookup that never matches, or one
+    that lets calls through without checking them, fails."""
+    # A new memo: earlier tests remembered these samples' signatures in the op's own.
+    monkeypatch.setattr(sys.modules[entry.fake.__module__], "_ACCEPTED", AcceptedSignatures())
+    remembered = []
+    remember = AcceptedSignatures.remember
+    monkeypatch.setattr(
+        AcceptedSignatures, "remember", lambda self, *args: remembered.append(1) or remember(self, *args)
+    )
+    for sample in entry.samples(torch.device("cpu")):
         entry.fake(*sample.args, **sample.kwargs)
-    assert len(found) == 2 and found[-1] is not None
+        after_first = len(remembered)
+        entry.fake(*sample.args, **sample.kwargs)
+        assert len(remembered) == after_first, sample.name
+    assert remembered, "no signature was remembered"
 
 
 @pytest.mark.parametrize("entry", _ENTRIES, ids=[e.name for e in _ENTRIES])

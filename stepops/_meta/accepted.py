@@ -40,44 +40,49 @@ class Accepted(NamedTuple):
 
 
 class AcceptedSignatures:
-    """The last few signatures one op's check accepted: ``match`` is the fast path, ``remember`` adds one.
+    """The last few signatures one op's check accepted, most recently matched first.
+
+    Each check opens with the lookup written out, not called as a method: the guards of a 6-tensor call
+    take ~0.6 us, and a lookup method around them (its frame, a tuple of the tensors and unpacking it)
+    added ~0.25 us to an eager call's host path of 3-7 us. The lookup of an op with an int ``n``::
+
+        if type(n) is int and not is_dynamo_compiling():
+            for accepted in _ACCEPTED.entries:
+                if accepted.scalar == n and accepted.guards.check(a, b, ABSENT if errors is None else errors):
+                    if accepted is not _ACCEPTED.entries[0]:
+                        _ACCEPTED.promote(accepted)
+                    return accepted.result
+        ...  # the checks
+        _ACCEPTED.remember((a, b, ABSENT if errors is None else errors), n, result)
+
+    The int's type before its value: ``True == 1``, but a bool is no int to the checks, and a SymInt's
+    comparison would add a guard to a trace. Never while Dynamo traces a kernel that calls the check: the
+    C++ call is not traceable, and a trace runs the checks once anyway. The guards fail a call that passes
+    one tensor twice (they require distinct tensors): such a call runs the checks and is not remembered.
 
     A model step calls an op with a few signatures in turn (Inkling's sconv one per stream, its KV writes
-    one per cache shape), so one remembered signature would miss at every call. A call scans the
-    remembered ones, most recently matched first, comparing the int before the tensors (a mismatch in the
-    tensors costs ~0.1 us); a match moves to the front, so a repeated signature is found first.
+    one per cache shape), so one remembered signature would miss at every call; a matched signature moves
+    to the front (:meth:`promote`), so a repeated one is found first and one used every step stays while
+    new ones come and go.
     """
 
-    __slots__ = ("_entries",)
+    __slots__ = ("entries",)
     SIZE = 8  # more than the signatures of one op in a model step
 
     def __init__(self) -> None:
-        self._entries: tuple[Accepted, ...] = ()
+        self.entries: tuple[Accepted, ...] = ()
 
-    def match(self, tensors: tuple[torch.Tensor, ...], scalar: int | None = None) -> Accepted | None:
-        """The remembered signature that ``tensors`` and ``scalar`` match, or None. Never while Dynamo
-        traces a kernel that calls the check: the C++ call is not traceable, and a trace checks once anyway."""
-        # The scalar's type before its value: True == 1, but a bool is no int to the checks (and a SymInt's
-        # comparison would add a guard to a trace).
-        if is_dynamo_compiling() or type(scalar) not in _PLAIN_INTS:
-            return None
-        entries = self._entries
-        for entry in entries:
-            # The guards fail a call that passes one tensor twice (they require distinct tensors): such a
-            # call runs the checks, and is not remembered.
-            if entry[1] == scalar and entry[0].check(*tensors):
-                if entry is not entries[0]:
-                    i = entries.index(entry)
-                    self._entries = (entry, *entries[:i], *entries[i + 1 :])
-                return entry
-        return None
+    def promote(self, accepted: Accepted) -> None:
+        """Move ``accepted``, one of :attr:`entries` that a call matched, to the front."""
+        i = self.entries.index(accepted)
+        self.entries = (accepted, *self.entries[:i], *self.entries[i + 1 :])
 
     def remember(self, tensors: tuple[torch.Tensor, ...], scalar: int | None = None, result: Any = None) -> None:
         """Add ``tensors`` and ``scalar`` as accepted with ``result`` (at the front), if they are plain
         values; the least recently matched signature goes when :attr:`SIZE` are remembered."""
         if TensorGuards is None or is_dynamo_compiling() or type(scalar) not in _PLAIN_INTS:
             return
-        # A tensor passed twice: the guards would never match the call (see match).
+        # A tensor passed twice: the guards would never match the call.
         if any(type(t) not in _PLAIN_TENSORS for t in tensors) or len({id(t) for t in tensors}) < len(tensors):
             return
         # The sizes these tensors have now; any strides (the checks never read them).
@@ -86,4 +91,4 @@ class AcceptedSignatures:
             dynamic_dims_sizes=[list(t.shape) for t in tensors],
             dynamic_dims_strides=[[None] * t.dim() for t in tensors],
         )
-        self._entries = (Accepted(guards, scalar, result), *self._entries[: self.SIZE - 1])
+        self.entries = (Accepted(guards, scalar, result), *self.entries[: self.SIZE - 1])

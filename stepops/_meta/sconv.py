@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
+from torch.compiler import is_dynamo_compiling
 
 from stepops._meta.accepted import ABSENT, AcceptedSignatures
 from stepops._meta.errors import check_errors_arg
@@ -44,13 +45,15 @@ def check_sconv_args(
 
     A call that repeats a recently accepted signature returns its sizes at once (``stepops._meta.accepted``).
     """
-    tensors = (
-        x, weight, cache, block_table, token_request, token_chunk_start, slot_mapping, token_position,
-        ABSENT if errors is None else errors,
-    )  # fmt: skip
-    accepted = _ACCEPTED.match(tensors, stream_offset)
-    if accepted is not None:
-        return accepted.result
+    if type(stream_offset) is int and not is_dynamo_compiling():
+        for accepted in _ACCEPTED.entries:
+            if accepted.scalar == stream_offset and accepted.guards.check(
+                x, weight, cache, block_table, token_request, token_chunk_start, slot_mapping, token_position,
+                ABSENT if errors is None else errors,
+            ):  # fmt: skip
+                if accepted is not _ACCEPTED.entries[0]:
+                    _ACCEPTED.promote(accepted)
+                return accepted.result
     if x.dtype != torch.bfloat16:
         raise TypeError(f"sconv: x must be bfloat16, got {x.dtype}")
     if cache.dtype != torch.bfloat16:
@@ -109,6 +112,10 @@ def check_sconv_args(
             raise ValueError(f"sconv: {name} is on {tensor.device}, x on {x.device}; all must share one device")
     check_errors_arg("sconv", errors, x.device)
     sizes = SconvSizes(num_tokens, num_heads, width, weight.shape[1], block_size)
+    tensors = (
+        x, weight, cache, block_table, token_request, token_chunk_start, slot_mapping, token_position,
+        ABSENT if errors is None else errors,
+    )  # fmt: skip
     _ACCEPTED.remember(tensors, stream_offset, sizes)
     return sizes
 
