@@ -83,6 +83,24 @@ def test_a_bool_never_passes_an_ops_check_for_its_int(entry):
         entry.fake(*args, **sample.kwargs)
 
 
+@pytest.mark.parametrize("entry", [e for e in _ENTRIES if e.name != "paged_kv_write"], ids=lambda e: e.name)
+def test_a_remembered_signature_with_another_int_runs_the_checks(entry):
+    """The int is part of the signature: after every sample was accepted (and remembered), the same tensors
+    with an int the checks refuse (-1: a negative stream offset, a capacity below 7) still raise. The
+    error inputs cannot show it (their tensors match no sample's sizes), nor ``_lookup`` above (the test's
+    own copy of the lookup): a check whose lookup ignored the int passed every other test here."""
+    samples = list(entry.samples(torch.device("cpu")))
+    for sample in samples:
+        for _ in range(2):  # the second call matches the remembered signature
+            entry.fake(*sample.args, **sample.kwargs)
+    for sample in samples:
+        position = next(i for i, a in enumerate(sample.args) if type(a) is int)
+        args = list(sample.args)
+        args[position] = -1
+        with pytest.raises(ValueError, match=f"^{entry.name}: "):
+            entry.fake(*args, **sample.kwargs)
+
+
 def test_the_most_recent_match_comes_first_and_the_oldest_goes():
     memo = AcceptedSignatures()
     signatures = [((torch.zeros(n),), None) for n in range(1, AcceptedSignatures.SIZE + 2)]
