@@ -2,8 +2,9 @@
 
 One :class:`InklingConvState` per decoder layer emits one sliding-window KV cache spec whose page packs
 the four conv streams per KV head (:class:`stepops.layouts.InklingConvStateLayout`), gets its HND cache
-``[num_blocks, H, N, D]`` bound by the allocator, and runs ``stepops::sconv`` on it one stream at a time.
-Tensor parallelism, the dtype and the forward context are explicit arguments instead of engine globals.
+``[num_blocks, H, N, D]`` bound by the allocator, and runs ``stepops::sconv`` on it for one stream, or for
+streams adjacent in ``D`` in one call (the layers' K+V). Tensor parallelism, the dtype and the forward
+context are explicit arguments instead of engine globals.
 """
 
 from __future__ import annotations
