@@ -5,7 +5,7 @@ and global) run the same kind of workload: several requests, prompts split into 
 decode and speculative verify steps whose rejected drafts the next step overwrites. Each model runs eagerly,
 compiled with ``torch.compile(fullgraph=True)`` and, with a GPU, replayed from CUDA graphs; every run's
 compiled run and CUDA-graph replay must reproduce the eager run's committed outputs (within
-:data:`COMPILED_VS_EAGER`), with no graph break and no recompile.
+``MODE_VS_EAGER_ATOL + MODE_VS_EAGER_RTOL * |eager|``), with no graph break and no recompile.
 
 With ``tp > 1`` the Inkling stack runs tensor-parallel: the demo spawns ``tp`` local ranks (gloo on CPU,
 NCCL with one GPU per rank), each loads its shard of the same seeded weights, and every rank's outputs are

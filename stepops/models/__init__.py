@@ -1,4 +1,4 @@
-"""Whole Step5 and Inkling decoder layers on the stepops cache ops, a step runner and a full recompute.
+"""Whole Step5 and Inkling decoder layers on the stepops cache ops and a step runner.
 
 - :mod:`stepops.models.step5`: :class:`Step5Config`, :class:`Step5DecoderLayer` (sliding-window and CSA
   layers), :class:`Step5Model`.
@@ -12,6 +12,7 @@
 - :mod:`stepops.models.step5_weights`: loading a Step5 checkpoint in StepFun's reference names (fp8 experts).
 - :mod:`stepops.models.paged_attention`: attention over the paged KV cache (full, sliding window, CSA
   regions) and the indexer's streaming top-k, with memory independent of the context length.
+- :mod:`stepops.models.moe`: the step sizes at which both models' MoE blocks run only the chosen experts.
 
 The no-cache recomputes and the dense attention oracle are test support, in :mod:`stepops.testing`.
 """

@@ -197,7 +197,7 @@ def check_inkling_tp(config: InklingConfig, tp_size: int) -> None:
 
 class InklingRMSNorm(nn.Module):
     """transformers' ``InklingRMSNorm``: normalise in fp32, round to ``x.dtype``, then ``weight *`` in the
-    weight's dtype (the order matters in bf16: one more rounding than the shared :class:`RMSNorm`)."""
+    weight's dtype (the order matters in bf16: one more rounding than scaling in fp32 and rounding once)."""
 
     def __init__(self, dim: int, eps: float, dtype: torch.dtype) -> None:
         super().__init__()

@@ -1,6 +1,7 @@
 """Test support shared by tests/ and benchmarks/: the sample registry, the opcheck policy, tolerances.
 
-Builds on ``stepops.ops`` (the samples call the ops); no op module imports this package.
+Its modules also hold the models' no-cache recomputes, the dense attention oracle and the GPU-build check.
+Builds on ``stepops.ops`` and ``stepops.models``; no other module of the package imports it.
 """
 
 from stepops.testing.storage import StorageSnapshot
