@@ -22,7 +22,6 @@ from torch._dynamo.utils import counters
 
 from stepops.models import InklingConfig, InklingModel, Step5Config, Step5Model
 from stepops.models.runner import ScheduledRequest, StepRunner
-from stepops.testing import TOLERANCES
 
 try:  # torch >= 2.12 keeps it in torch._inductor.utils; older releases in cudagraph_utils
     from torch._inductor.utils import get_first_incompatible_cudagraph_node
@@ -288,12 +287,27 @@ def test_inductor_runs_in_place_and_equals_eager(model_cls, config):
     for name in set(written):
         assert not _copies_into(code, name), f"a copy into the cache input {name}"
     # Inductor fuses norms, rope and softmax into kernels that sum in other orders, so a bf16-rounded stage
-    # may land one ulp apart (about 20-30% of elements here): the documented tolerance, not bitwise. No token
-    # here is past position 8, so none has more than one earlier region to choose from: no near tie to flip.
-    tol = TOLERANCES["model_vs_recompute"]
-    torch.testing.assert_close(got, want, atol=tol.atol, rtol=tol.rtol)
+    # may land one ulp apart: not bitwise. No token here is past position 8, so none has more than one earlier
+    # region to choose from: no near tie to flip. Measured on CPU (both one-layer configurations): every output
+    # within 1 ulp of its row's largest magnitude, 29% (Step5) and 16% (Inkling) of the elements differ.
+    # Bound: 2 row ulps and half the elements (one ulp of room for another torch's fusions). The GPU's
+    # model_vs_recompute (atol 2**-3) let a compile-only bug through: the shared expert scaled by 0.9 under
+    # torch.compiler.is_compiling() was 2.75 row ulps off on 65% of the elements and passed it.
+    _assert_within_row_ulps(got, want, ulps=2, max_differing=0.5)
     for a, b in zip(model.cache_tensors(), eager_model.cache_tensors()):
         _assert_cache_within_one_row_ulp(a, b)
+
+
+def _assert_within_row_ulps(got: torch.Tensor, want: torch.Tensor, *, ulps: int, max_differing: float) -> None:
+    """Every element within ``ulps`` bf16 ulps of its row's largest magnitude (a row: the last dim, one
+    token), and at most ``max_differing`` of the elements differ at all."""
+    got, want = got.float(), want.float()
+    row_max = torch.maximum(got.abs(), want.abs()).amax(-1, keepdim=True).clamp(min=2**-126)
+    ulp = torch.exp2(torch.floor(torch.log2(row_max)) - 7)  # bf16: 8 significant bits
+    worst = float(((got - want).abs() / ulp).max())
+    differing = float((got != want).float().mean())
+    assert worst <= ulps, f"an element differs by {worst:.3g} row ulps (bound {ulps})"
+    assert differing <= max_differing, f"{differing:.1%} of the elements differ (bound {max_differing:.0%})"
 
 
 def _assert_cache_within_one_row_ulp(got: torch.Tensor, want: torch.Tensor) -> None:
