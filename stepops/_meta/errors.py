@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+
 
 def check_errors_arg(op: str, errors: torch.Tensor | None, device: torch.device) -> None:
     """``TypeError``/``ValueError`` unless ``errors`` is None or an int32 ``[1]`` tensor on ``device``."""
@@ -29,7 +31,9 @@ def check_arg_types(
     Run before the dispatcher, which would turn a non-tensor into a ``RuntimeError`` ("Expected a value of
     type 'Tensor'"), let ``None`` through to fail as an ``AttributeError`` in the checks, and silently turn
     a bool into the int ``1``. ``tensors`` must be tensors (``errors`` is checked by the wrapper as optional),
-    ``ints`` Python (or symbolic) ints and never bools, ``bools`` bools.
+    ``ints`` Python (or symbolic) ints and never bools, ``bools`` bools. A Python int outside int64, which
+    the schema's ``SymInt`` cannot hold, is a ``ValueError`` (the dispatcher's reads "Expected a value of
+    type 'int' ... found type 'int'").
     """
     for name, value in tensors:
         if not isinstance(value, torch.Tensor):
@@ -37,6 +41,8 @@ def check_arg_types(
     for name, value in ints:
         if isinstance(value, bool) or not isinstance(value, (int, torch.SymInt)):
             raise TypeError(f"{op}: {name} must be an int, got {type(value).__name__}")
+        if type(value) is int and not _INT64_MIN <= value <= _INT64_MAX:
+            raise ValueError(f"{op}: {name} = {value} does not fit in int64")
     for name, value in bools:
         if not isinstance(value, bool):
             raise TypeError(f"{op}: {name} must be a bool, got {type(value).__name__}")

@@ -101,6 +101,17 @@ def test_wrong_python_type_is_a_type_error_naming_the_argument(op, make_args, na
     assert all(torch.equal(a, b) for a, b in zip(caches, [t for t in args.values() if isinstance(t, torch.Tensor)]))
 
 
+@pytest.mark.parametrize("op, make_args, name", [(sconv, _sconv_args, "stream_offset"), (csa_ring_update, _csa_args, "capacity")])
+@pytest.mark.parametrize("bad", [2**63, -(2**63) - 1])
+def test_an_int_outside_int64_is_a_value_error_naming_the_argument(op, make_args, name, bad):
+    """The schema's SymInt is int64; the dispatcher's own error reads "Expected a value of type 'int' ... found
+    type 'int'"."""
+    args = make_args()
+    args[name] = bad
+    with pytest.raises(ValueError, match=f"{op.__name__}: {name} = {bad} does not fit in int64"):
+        op(**args)
+
+
 def test_the_wrappers_still_take_their_documented_types():
     """The type checks let the ordinary calls through (the docs' examples use exactly these)."""
     args = _sconv_args()
