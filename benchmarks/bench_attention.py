@@ -1,9 +1,9 @@
 """Attention over the paged KV cache: the layer function (dense oracle vs ``paged_attention``) and a whole
 tiny-model decode step (both decoder families, which attend through ``stepops.models.paged_attention``).
 
-**Layer attention** (:func:`run_attention`): one decode step of 64 requests (one token each) at 1k, 4k and 16k-token contexts, with the tiny models'
-head shapes (4 query heads, 2 KV heads of 16 + 16, block size 16, bf16 cache, global attention: the whole
-context is read). Per provider and context:
+**Layer attention** (:func:`run_attention`): one decode step of 64 requests (one token each) at 1k, 4k
+and 16k-token contexts, with the tiny models' head shapes (4 query heads, 2 KV heads of 16 + 16, block
+size 16, bf16 cache, global attention: the whole context is read). Per provider and context:
 
 - ``peak_eager_mib`` / ``peak_compiled_mib``: peak transient memory of one call, beyond the caches,
   weights and inputs that exist before it: the running sum of the CPU allocator's allocations minus frees
@@ -241,7 +241,7 @@ def format_model_step(results: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """The layer-attention and model-step cases on their own (``benchmarks/gpu_check.sh`` runs this)."""
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.bench_attention", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.bench_attention", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model-step-only", action="store_true", help="skip the layer-attention case")
     parser.add_argument("--modes", nargs="+", choices=("eager", "compiled", "cudagraph"), default=None,
                         help="model-step modes (default: eager, compiled, and cudagraph on CUDA)")
