@@ -168,6 +168,23 @@ def test_triton_kernel_matches_torch_kernel_bitwise(sample):
 
 
 
+@pytest.mark.parametrize("summary_dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=["bf16", "fp8"])
+def test_triton_kernel_matches_torch_kernel_bitwise_with_nan_logits(summary_dtype):
+    """A NaN in ``index_z`` is folded as the PyTorch kernel folds it (``torch.maximum``/``minimum``
+    propagate NaN). Triton's default ``max``/``min`` (``max.f32`` on a GPU, ``np.fmax`` in the
+    interpreter) return the other operand: the NaN row was weighed as if ``z = m``, other finite bits."""
+    step = make_step([16], [16], proxy_dim=16, capacity=10, summary_dtype=summary_dtype)
+    args = list(step.op_args())
+    args[1][0, :4] = float("nan")  # row 0 of region 0: the fold's starting maximum
+    args[1][2, 4:8] = float("nan")  # row 2 of region 0
+    args[1][13, 8:12] = float("nan")  # row 5 of region 1
+    triton_args = [a.clone().to(triton_device()) if isinstance(a, torch.Tensor) else a for a in args]
+    torch.ops.stepops.csa_ring_update(*args)
+    csa_ring_update_triton(*triton_args)
+    assert torch.equal(triton_args[2].cpu().view(torch.int16), args[2].view(torch.int16))
+    assert torch.equal(summary_bytes(triton_args[3].cpu()), summary_bytes(args[3]))
+
+
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_strided_metadata_are_read_by_their_strides(kernel):
     """The five [T] metadata as columns of one [T, 5] table (stride 5): each token's own entries (the

@@ -127,9 +127,14 @@ def _load_region_row(
 @triton.jit
 def fold_step(m, s, a, z, k):
     """One online-softmax step (torch_kernel.fold_region): the state rescales by ``e`` if ``z`` is the new
-    maximum, else the row weighs ``e``; the other factor is exactly 1."""
-    m_new = tl.maximum(m, z)
-    e = exp_fp32(tl.minimum(m, z) - m_new)
+    maximum, else the row weighs ``e``; the other factor is exactly 1.
+
+    ``max``/``min`` propagate NaN, as ``torch.maximum``/``torch.minimum`` do: Triton's default (a GPU's
+    ``max.f32``, the interpreter's ``np.fmax``) returns the other operand, so a NaN in ``z`` would be folded
+    as if it were ``m`` and give other finite bits than the PyTorch kernel.
+    """
+    m_new = tl.maximum(m, z, propagate_nan=tl.PropagateNan.ALL)
+    e = exp_fp32(tl.minimum(m, z, propagate_nan=tl.PropagateNan.ALL) - m_new)
     grew = z > m
     alpha = tl.where(grew, e, 1.0)
     beta = tl.where(grew, 1.0, e)
