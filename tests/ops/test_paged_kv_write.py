@@ -145,3 +145,50 @@ def test_a_cache_with_block_size_zero_is_a_value_error_not_a_zero_division(mode)
         else:
             with FakeTensorMode() as fake_mode:
                 paged_kv_write(*(fake_mode.from_tensor(a) for a in args))
+
+
+_BIT_COPY_DTYPES = [torch.bool, torch.float16, torch.float64, torch.complex64, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz]
+
+
+@pytest.mark.parametrize("dtype", _BIT_COPY_DTYPES, ids=str)
+def test_triton_kernel_copies_the_bits_of_any_dtype(dtype):
+    """The op copies bits, whatever the dtype: complex64 (no Triton type) failed in the Triton kernel."""
+    key = torch.randn(3, 2, 8).to(dtype) if dtype != torch.complex64 else torch.randn(3, 2, 8, dtype=dtype)
+    value, slots = key.flip(0), torch.tensor([5, -1, 0], dtype=torch.int32)
+    caches = [torch.zeros(2, 4, 2, 8, dtype=dtype) for _ in range(4)]
+    torch.ops.stepops.paged_kv_write(key, value, caches[0], caches[1], slots)
+    device = triton_device()
+    got = [c.to(device) for c in caches[2:]]
+    paged_kv_write_triton(key.to(device), value.to(device), *got, slots.to(device))
+    bits = {1: torch.uint8, 2: torch.int16, 8: torch.int64}[key.element_size()]
+    assert all(torch.equal(g.cpu().view(bits), w.view(bits)) for g, w in zip(got, caches[:2]))
+
+
+def test_triton_kernel_compiles_for_gpus_with_every_float8_cache():
+    """float8_e4m3fnuz/e5m2fnuz caches ran under the interpreter, but Triton cannot compile loads of them
+    for sm_90 or sm_80: the kernel copies integers of the element's width. Compiled in a subprocess without
+    TRITON_INTERPRET (interpreted kernels cannot be compiled)."""
+    import os
+    import subprocess
+    import sys
+    import textwrap
+
+    from stepops.testing.gpu_build import unsupported_reason
+
+    if unsupported_reason():
+        pytest.skip(unsupported_reason())
+    script = textwrap.dedent("""
+        import torch
+        from stepops.testing import gpu_build
+        for dtype in (torch.float8_e4m3fnuz, torch.float8_e5m2fnuz, torch.float8_e4m3fn, torch.float8_e5m2):
+            key, cache = torch.zeros(3, 2, 8, dtype=dtype), torch.zeros(4, 4, 2, 8, dtype=dtype)
+            args = (key, key.clone(), cache, cache.clone(), torch.tensor([0, 5, -1], dtype=torch.int32))
+            call = gpu_build.OpCall("paged_kv_write", "fp8", args, {})
+            (launch,) = [l for l in gpu_build._record_launches((call,)) if l.shapes == "fp8"]
+            for name, capability in gpu_build.TARGETS:
+                gpu_build._compile(launch, name, capability)
+    """)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
