@@ -34,7 +34,7 @@ def _parser() -> argparse.ArgumentParser:
                         help="run: time ops and layers (default); static: the GPU-build table and decode estimates")
     parser.add_argument("--quick", action="store_true", help="small sizes: under two minutes on a 2-core CPU")
     parser.add_argument("--tiny", action="store_true", help="one smallest case per op, no extras or layers (smoke test)")
-    parser.add_argument("--json", type=Path, default=None, help="also write the JSON report to PATH")
+    parser.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write the JSON report to PATH")
     parser.add_argument("--ops", nargs="+", choices=OP_MODULES, default=list(OP_MODULES), help="ops to run")
     layers = parser.add_mutually_exclusive_group()
     layers.add_argument("--layers", action="store_true", help="time decoder layer steps also with --quick")
@@ -44,15 +44,51 @@ def _parser() -> argparse.ArgumentParser:
                            help="layer attention (dense gather vs paged) and a whole-model decode step at 1k-16k "
                                 "contexts, also with --quick")
     attention.add_argument("--no-attention", action="store_true", help="skip the layer-attention case")
-    parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
-    parser.add_argument("--threads", type=int, default=1,
+    parser.add_argument("--device", choices=("cuda", "cpu"), default=None,
+                        help="cuda or cpu (default: cuda when available)")
+    parser.add_argument("--threads", type=_positive_int, default=1, metavar="N",
                         help="CPU threads (default 1: on a shared machine more threads stall in OpenMP barriers)")
-    parser.add_argument("--compile-backend", default="inductor", help="torch.compile backend of the baselines")
+    parser.add_argument("--compile-backend", default="inductor", metavar="BACKEND",
+                        help="torch.compile backend of the baselines (default: inductor)")
     return parser
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+# Options that only the default ``run`` command reads; ``static`` takes --json alone.
+_RUN_ONLY = ("quick", "tiny", "ops", "layers", "no_layers", "attention", "no_attention", "device", "threads",
+             "compile_backend")
+
+
+def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse, as argparse errors before any work, what would otherwise fail deep in torch or be ignored."""
+    if args.command == "static":
+        given = [name for name in _RUN_ONLY if getattr(args, name) != parser.get_default(name)]
+        if given:
+            flags = ", ".join("--" + name.replace("_", "-") for name in given)
+            parser.error(f"static takes only --json, not {flags} (options of run)")
+        return
+    import torch
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: this torch build sees no CUDA device; use --device cpu")
+    if args.compile_backend not in torch._dynamo.list_backends(exclude_tags=()):
+        parser.error(f"--compile-backend {args.compile_backend!r} is not a torch.compile backend; "
+                     "e.g. inductor, aot_eager or eager")
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    _check_args(parser, args)
     if args.command == "static":
         from benchmarks.static import main as static_main
 

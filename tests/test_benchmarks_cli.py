@@ -1,0 +1,40 @@
+"""``python -m benchmarks``: a bad option is an argparse error (exit 2, one line naming it) before any work,
+not a traceback from inside torch minutes later, and ``static`` refuses the options only ``run`` reads."""
+
+import pytest
+import torch
+
+from benchmarks.__main__ import main
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--device", "foo"], "argument --device: invalid choice: 'foo'"),
+        (["--threads", "0"], "argument --threads: must be >= 1, got 0"),
+        (["--compile-backend", "bogus"], "--compile-backend 'bogus' is not a torch.compile backend"),
+        (["static", "--quick"], "static takes only --json, not --quick"),
+        (["static", "--ops", "sconv", "--threads", "2"], "static takes only --json, not --ops, --threads"),
+    ],
+)
+def test_bad_options_are_argparse_errors(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_cuda_without_a_gpu_is_an_argparse_error(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--device", "cuda", "--tiny"])
+    assert exit_info.value.code == 2
+    assert "--device cuda: this torch build sees no CUDA device" in capsys.readouterr().err
+
+
+def test_help_names_every_default(capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--json PATH" in text
+    assert "torch.compile backend of the baselines (default: inductor)" in text
