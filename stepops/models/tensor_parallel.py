@@ -18,6 +18,7 @@ page keeps one ``D`` at every ``tp``. The residual stream ``[T, hidden]`` is rep
 from __future__ import annotations
 
 import faulthandler
+import multiprocessing.util
 import os
 import sys
 import tempfile
@@ -148,7 +149,10 @@ def _rank_main(
         dist.destroy_process_group()
     # Done and disconnected: leave without interpreter finalization. Freeing torch's distributed and compiled
     # state there aborted a finished gloo rank once in CI ("terminate called without an active exception");
-    # everything a rank reports is in the files or streams it has written by now.
+    # everything a rank reports is in the files or streams it has written by now. multiprocessing's own exit
+    # step still runs: it releases the rank's locks (Inductor's tqdm bar makes one), which os._exit alone
+    # leaves to the parent's resource tracker to report as leaked semaphores.
+    multiprocessing.util._exit_function()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
