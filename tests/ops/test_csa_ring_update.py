@@ -18,6 +18,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from conftest import triton_device
+from test_csa_ring_update_exp import assert_same_bits_or_both_nan, special_logits
 import triton
 import triton.language as tl
 from stepops.ops.csa_ring_update import CSARingMetadata, build_csa_ring_metadata, csa_ring_update
@@ -169,20 +170,30 @@ def test_triton_kernel_matches_torch_kernel_bitwise(sample):
 
 
 @pytest.mark.parametrize("summary_dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=["bf16", "fp8"])
-def test_triton_kernel_matches_torch_kernel_bitwise_with_nan_logits(summary_dtype):
-    """A NaN in ``index_z`` is folded as the PyTorch kernel folds it (``torch.maximum``/``minimum``
-    propagate NaN). Triton's default ``max``/``min`` (``max.f32`` on a GPU, ``np.fmax`` in the
-    interpreter) return the other operand: the NaN row was weighed as if ``z = m``, other finite bits."""
+def test_both_kernels_give_nan_summaries_for_nan_and_inf_logits(summary_dtype):
+    """A NaN or +inf in ``index_z`` makes its dimension of the region's summary NaN in both kernels, as the
+    reference's two-exp fold gives (``0 / 0``); the other dimensions keep the same bits. Before, the
+    PyTorch kernel left the row and every later one out of a finite summary, and Triton's default
+    ``max``/``min`` (``max.f32`` on a GPU, ``np.fmax`` in the interpreter) gave yet other finite bits."""
     step = make_step([16], [16], proxy_dim=16, capacity=10, summary_dtype=summary_dtype)
     args = list(step.op_args())
     args[1][0, :4] = float("nan")  # row 0 of region 0: the fold's starting maximum
     args[1][2, 4:8] = float("nan")  # row 2 of region 0
-    args[1][13, 8:12] = float("nan")  # row 5 of region 1
+    args[1][13, 8:12] = float("inf")  # row 5 of region 1
+    args[1][8:16, 12] = -float("inf")  # a whole column of region 1
+    want = [region_summary(args[0][r : r + 8], args[1][r : r + 8], summary_dtype).float() for r in (0, 8)]
+    dims = torch.arange(16)
+    nan_dims = [dims < 8, (dims // 4 == 2) | (dims == 12)]
     triton_args = [a.clone().to(triton_device()) if isinstance(a, torch.Tensor) else a for a in args]
     torch.ops.stepops.csa_ring_update(*args)
     csa_ring_update_triton(*triton_args)
     assert torch.equal(triton_args[2].cpu().view(torch.int16), args[2].view(torch.int16))
-    assert torch.equal(summary_bytes(triton_args[3].cpu()), summary_bytes(args[3]))
+    for summary_cache in (args[3], triton_args[3].cpu()):
+        for region in (0, 1):
+            got = summary_cache[summary_slot(step, 0, region)]
+            got = (got.view(torch.float8_e4m3fn) if got.element_size() == 1 else got).float()  # fp8 as uint8
+            assert torch.equal(got.isnan(), nan_dims[region])
+            torch.testing.assert_close(got, want[region], rtol=0, atol=0, equal_nan=True)
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
@@ -428,6 +439,19 @@ def test_tritonfold_step_is_the_documented_fold_bitwise_in_fp32(z_scale):
     _fold_rows[(1,)](k, z, out, 1024, BLOCK=1024)
     want = fold(k.numpy(), z.numpy())
     assert np.array_equal(out.numpy().view(np.uint32), want.view(np.uint32))
+
+
+def test_triton_fold_step_is_the_documented_fold_with_nan_and_inf_logits():
+    """NaN where the documented fold gives NaN (a NaN or +inf logit, a column of -inf), the same bits
+    elsewhere; Triton's default max/min and a factor of exactly 1 both gave finite summaries there."""
+    if triton_device().type != "cpu":
+        pytest.skip("the interpreter's numpy arithmetic is the reference's; a GPU's exp path is checked by the GPU tests")
+    k, z = special_logits()
+    out = torch.empty(z.shape[1])
+    with np.errstate(invalid="ignore"):  # inf - inf and 0 / 0 in numpy, the interpreter's arithmetic
+        _fold_rows[(1,)](k, z, out, z.shape[1], BLOCK=z.shape[1])
+        want = fold(k.numpy(), z.numpy())
+    assert_same_bits_or_both_nan(out.numpy(), want)
 
 
 def test_summary_matches_textbook_softmax_within_tolerance():

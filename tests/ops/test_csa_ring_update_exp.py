@@ -80,6 +80,42 @@ def test_triton_kernel_exp_matches_the_reference_bitwise():
     assert mismatch.size == 0, f"{mismatch.size} values differ, e.g. exp({x[mismatch[0]]!r})"
 
 
+def special_logits(num_columns: int = 512, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """``k, z`` ``[8, num_columns]`` fp32 with NaN, ``+inf`` and ``-inf`` logits in every row and mix: one in
+    a random row per column, row 0 only, a column of ``-inf``, ``-inf`` followed by finite rows."""
+    generator = torch.Generator().manual_seed(seed)
+    z = torch.randn(8, num_columns, generator=generator).bfloat16().float()
+    k = torch.randn(8, num_columns, generator=generator).bfloat16().float()
+    rows = torch.randint(0, 8, (num_columns,), generator=generator)
+    columns = torch.arange(num_columns)
+    specials = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0])
+    z[rows, columns] = specials[columns % 4]  # one special value per column, in a random row
+    z[0, 1::16] = float("nan")
+    z[0, 2::16] = float("inf")
+    z[:, 3::16] = -float("inf")
+    z[:4, 4::16] = -float("inf")
+    return k, z
+
+
+def assert_same_bits_or_both_nan(got: np.ndarray, want: np.ndarray) -> None:
+    """Equal fp32 bits wherever ``want`` is a number, NaN exactly where it is NaN (whose payload is the
+    platform's)."""
+    nan = np.isnan(want)
+    assert np.array_equal(np.isnan(got), nan), f"NaN at {np.flatnonzero(np.isnan(got) != nan)[:8]}"
+    assert np.array_equal(_bits(got[~nan]), _bits(want[~nan]))
+
+
+def test_one_exp_per_step_gives_the_two_exp_fold_with_nan_and_inf_logits():
+    """Where the documented fold meets NaN or an infinity, its two factors are exp(NaN) = 0 (0 / 0: a NaN
+    summary); the one-exp step puts ``exp(m' - m')`` for the other factor, so the same. With exactly 1
+    there, a NaN or +inf row and every row after it were left out of a finite summary."""
+    k, z = special_logits()
+    with np.errstate(invalid="ignore"):  # inf - inf and 0 / 0, the NaN this test is about
+        want = fold(k.numpy(), z.numpy())
+    assert np.isnan(want).any() and not np.isnan(want).all()
+    assert_same_bits_or_both_nan(torch_kernel.fold_region(k, z).numpy(), want)
+
+
 @pytest.mark.parametrize("z_scale", [1.0, 30.0])
 def test_one_exp_per_step_gives_the_two_exp_fold_bitwise(z_scale):
     """fold_region computes exp(min - max) once per step and multiplies by exactly 1 where the documented

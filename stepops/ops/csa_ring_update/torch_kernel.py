@@ -60,9 +60,12 @@ def fold_region(k_rows: torch.Tensor, z_rows: torch.Tensor) -> torch.Tensor:
 
     Row 0 starts the state (``m = z0, s = 1, a = k0``); rows 1..7 are folded in order:
     ``m' = max(m, z); s = s * exp(m - m') + exp(z - m'); a = a * exp(m - m') + exp(z - m') * k``.
-    One of the two factors is ``exp(0) = 1`` (``m' `` is ``m`` or ``z``), so each step computes one
-    ``e = exp(min(m, z) - m')`` and multiplies by 1 exactly where the other would be: the same bits as two
-    ``exp`` calls. The summary is ``a / s`` = ``sum_t softmax(z)_t k_t``.
+    One of the two factors is ``exp(m' - m')`` (``m'`` is ``m`` or ``z``), so each step computes one
+    ``e = exp(min(m, z) - m')`` and puts ``exp(m' - m')`` where the other would be: 1 for a finite ``m'``,
+    and 0 for an infinite or NaN one, as :func:`exp_fp32` of NaN. The same bits as two ``exp`` calls for
+    every input: a NaN or ``+inf`` logit, or a region of ``-inf`` logits, gives ``0 / 0`` = NaN, as the
+    two-exp formula does, never a finite summary that silently leaves rows out. The summary is ``a / s`` =
+    ``sum_t softmax(z)_t k_t``.
     """
     m = z_rows[..., 0, :]
     s = torch.ones_like(m)
@@ -71,9 +74,10 @@ def fold_region(k_rows: torch.Tensor, z_rows: torch.Tensor) -> torch.Tensor:
         z, k = z_rows[..., j, :], k_rows[..., j, :]
         m_new = torch.maximum(m, z)
         e = exp_fp32(torch.minimum(m, z) - m_new)
-        grew = z > m  # the running max moves to z: the state is rescaled by e, the new row weighs 1
-        alpha = torch.where(grew, e, 1.0)
-        beta = torch.where(grew, 1.0, e)
+        unit = torch.where(m_new - m_new == 0.0, 1.0, 0.0)  # exp(m' - m')
+        grew = z > m  # the running max moves to z: the state is rescaled by e, the new row weighs exp(0)
+        alpha = torch.where(grew, e, unit)
+        beta = torch.where(grew, unit, e)
         s = s * alpha + beta
         a = a * alpha + beta * k
         m = m_new

@@ -127,7 +127,8 @@ def _load_region_row(
 @triton.jit
 def fold_step(m, s, a, z, k):
     """One online-softmax step (torch_kernel.fold_region): the state rescales by ``e`` if ``z`` is the new
-    maximum, else the row weighs ``e``; the other factor is exactly 1.
+    maximum, else the row weighs ``e``; the other factor is ``exp(m' - m')``: 1, or 0 for an infinite or
+    NaN ``m'``.
 
     ``max``/``min`` propagate NaN, as ``torch.maximum``/``torch.minimum`` do: Triton's default (a GPU's
     ``max.f32``, the interpreter's ``np.fmax``) returns the other operand, so a NaN in ``z`` would be folded
@@ -135,9 +136,10 @@ def fold_step(m, s, a, z, k):
     """
     m_new = tl.maximum(m, z, propagate_nan=tl.PropagateNan.ALL)
     e = exp_fp32(tl.minimum(m, z, propagate_nan=tl.PropagateNan.ALL) - m_new)
+    unit = tl.where(m_new - m_new == 0.0, 1.0, 0.0)
     grew = z > m
-    alpha = tl.where(grew, e, 1.0)
-    beta = tl.where(grew, 1.0, e)
+    alpha = tl.where(grew, e, unit)
+    beta = tl.where(grew, unit, e)
     return m_new, s * alpha + beta, a * alpha + beta * k
 
 
