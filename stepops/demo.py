@@ -380,7 +380,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "run, count graph breaks and recompiles, and print a table. Exits 1 when a check fails.",
     )
     parser.add_argument("--json", metavar="PATH", help="also write the per-model results as JSON")
-    parser.add_argument("--device", default="auto", help="auto (a GPU when present), cpu or cuda")
+    parser.add_argument("--device", default="auto", help="auto (a GPU when present), cpu or cuda (default: auto)")
     parser.add_argument(
         "--backend", default="inductor", help="torch.compile backend for the compiled runs (default: inductor)"
     )

@@ -5,13 +5,14 @@ Three runs go through a subprocess (the real entry point, from outside the check
 Expected numbers are worked out by hand in comments.
 """
 
+import argparse
 import re
 import subprocess
 import sys
 
 import pytest
 
-from stepops.cli import main
+from stepops.cli import build_parser, main
 
 
 def _run(*args, cwd):
@@ -230,3 +231,24 @@ def test_demo_tp_above_the_cpu_cores_is_one_line(capsys, monkeypatch):
     monkeypatch.setattr(stepops.demo, "run_demo", lambda **kwargs: 0)
     assert main(["demo", "--tp", "2", "--device", "cpu"]) == 2
     assert capsys.readouterr().err == "stepops demo: --tp 2 needs one CPU core per rank; this machine has 1 CPU cores\n"
+
+
+def _subparsers(parser):
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                yield sub
+                yield from _subparsers(sub)
+
+
+def test_every_option_with_a_default_names_it_in_its_help():
+    """``--help`` is the reference a user reads: an option that has a default says which (demo's --device
+    and layout step5's --dtype did not)."""
+    missing = []
+    for sub in _subparsers(build_parser()):
+        for action in sub._actions:
+            if not action.option_strings or action.default in (None, False, argparse.SUPPRESS):
+                continue
+            if "default" not in (action.help or ""):
+                missing.append(f"{sub.prog} {action.option_strings[0]}")
+    assert missing == []

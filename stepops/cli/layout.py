@@ -53,7 +53,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     step5.add_argument(
         "--head-size-v", type=int, default=0, help="main layer's value head size; 0 for one latent (default 0)"
     )
-    step5.add_argument("--dtype", choices=_MAIN_DTYPES, default="bfloat16", help="main layer's KV cache dtype")
+    step5.add_argument(
+        "--dtype", choices=_MAIN_DTYPES, default="bfloat16", help="main layer's KV cache dtype (default bfloat16)"
+    )
     step5.add_argument(
         "--page-bytes", type=int, default=None, help="main layer's page size in bytes; overrides the head numbers"
     )
