@@ -30,6 +30,11 @@ print("torch", torch.__version__, "triton", triton.__version__, "cuda", torch.ve
 print("device", torch.cuda.get_device_name(0) if torch.cuda.is_available() else "NO GPU")
 PY
 cat "$out/env.txt"
+# Without a GPU every part would run its limit out on CPU fallbacks: stop here instead.
+if grep -q "^device NO GPU" "$out/env.txt"; then
+    echo "gpu_check.sh: no CUDA device visible (see $out/env.txt); run it on a GPU machine, or scripts/run.sh test here" >&2
+    exit 2
+fi
 
 # Every test runs on the GPU: op tests compare the real Triton kernels with the PyTorch kernels, model tests
 # run the CUDA-graph captures and reduce-overhead replays, which skip on CPU. The Inkling oracle tests run
