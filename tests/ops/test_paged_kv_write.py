@@ -192,3 +192,18 @@ def test_triton_kernel_compiles_for_gpus_with_every_float8_cache():
     env["TRITON_DEFAULT_FP_FUSION"] = "1"
     result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
+
+
+def test_triton_kernel_reaches_heads_past_2_gib_of_a_head_major_cache():
+    """A cache whose head stride times its heads passes 2**31 elements (a head-major allocation viewed
+    ``[num_blocks, N, H, D]``): the head offsets were int32 products and wrapped to a negative address
+    (a segfault under the interpreter, a write before the cache on a GPU). uint8 keeps the storage at 2 GiB
+    of address space, of which only the written bytes are touched."""
+    heads, head_size, head_stride = 3, 16, 2**30
+    device = triton_device()
+    storage = torch.empty((heads - 1) * head_stride + head_size, dtype=torch.uint8, device=device)
+    key_cache = storage.as_strided((1, 1, heads, head_size), (head_size, head_size, head_stride, 1))
+    value_cache = torch.zeros(1, 1, heads, head_size, dtype=torch.uint8, device=device)
+    key, value = (torch.randint(0, 256, (1, heads, head_size), dtype=torch.uint8, device=device) for _ in range(2))
+    paged_kv_write_triton(key, value, key_cache, value_cache, torch.tensor([0], dtype=torch.int32, device=device))
+    assert torch.equal(key_cache[0, 0], key[0]) and torch.equal(value_cache[0, 0], value[0])

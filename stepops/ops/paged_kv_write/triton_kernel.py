@@ -55,7 +55,7 @@ def _paged_kv_write_kernel(
     count_error(errors_ptr, bad_id(slot, num_slots), HAS_ERRORS)
     block = tl.where(inside, slot // block_size, 0)
     offset = tl.where(inside, slot % block_size, 0)
-    heads = tl.arange(0, BLOCK_H)[:, None]
+    heads = tl.arange(0, BLOCK_H)[:, None].to(tl.int64)  # a head stride may exceed 2**31 / BLOCK_H (head-major)
     head_ok = heads < num_heads
     # A [BLOCK_H, 1] tensor rather than a scalar: the interpreter rejects a scalar bool in a mask.
     write = in_extent(heads * 0 + slot, num_slots)
