@@ -21,6 +21,8 @@ if __package__ in (None, ""):
 import argparse  # noqa: E402
 import time  # noqa: E402
 
+from benchmarks.cli_args import add_device_arguments, check_device_argument  # noqa: E402
+
 
 def _log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
@@ -44,23 +46,10 @@ def _parser() -> argparse.ArgumentParser:
                            help="layer attention (dense gather vs paged) and a whole-model decode step at 1k-16k "
                                 "contexts, also with --quick")
     attention.add_argument("--no-attention", action="store_true", help="skip the layer-attention case")
-    parser.add_argument("--device", choices=("cuda", "cpu"), default=None,
-                        help="cuda or cpu (default: cuda when available)")
-    parser.add_argument("--threads", type=_positive_int, default=1, metavar="N",
-                        help="CPU threads (default 1: on a shared machine more threads stall in OpenMP barriers)")
+    add_device_arguments(parser)
     parser.add_argument("--compile-backend", default="inductor", metavar="BACKEND",
                         help="torch.compile backend of the baselines (default: inductor)")
     return parser
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
 
 
 # Options that only the default ``run`` command reads; ``static`` takes --json alone.
@@ -78,8 +67,7 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
         return
     import torch
 
-    if args.device == "cuda" and not torch.cuda.is_available():
-        parser.error("--device cuda: this torch build sees no CUDA device; use --device cpu")
+    check_device_argument(parser, args.device)
     if args.compile_backend not in torch._dynamo.list_backends(exclude_tags=()):
         parser.error(f"--compile-backend {args.compile_backend!r} is not a torch.compile backend; "
                      "e.g. inductor, aot_eager or eager")

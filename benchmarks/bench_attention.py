@@ -37,6 +37,7 @@ from typing import Any, Callable
 
 import torch
 
+from benchmarks.cli_args import add_device_arguments, check_device_argument
 from benchmarks.harness import Settings, median_us
 from stepops.testing.memory import peak_transient_bytes
 
@@ -245,11 +246,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model-step-only", action="store_true", help="skip the layer-attention case")
     parser.add_argument("--modes", nargs="+", choices=("eager", "compiled", "cudagraph"), default=None,
                         help="model-step modes (default: eager, compiled, and cudagraph on CUDA)")
-    parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
-    parser.add_argument("--threads", type=int, default=1, help="CPU threads")
-    parser.add_argument("--json", type=Path, default=None, help="write the results to PATH")
+    add_device_arguments(parser)
+    parser.add_argument("--json", type=Path, default=None, metavar="PATH", help="write the results to PATH")
     args = parser.parse_args(argv)
+    check_device_argument(parser, args.device)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if "cudagraph" in (args.modes or ()) and device.type != "cuda":
+        parser.error("--modes cudagraph needs a CUDA device")
     torch.set_num_threads(args.threads)
     settings = Settings(device=device, quick=False)
     log = lambda message: print(message, file=sys.stderr, flush=True)  # noqa: E731

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from benchmarks.__main__ import main
+from benchmarks.bench_attention import main as bench_attention_main
 
 
 @pytest.mark.parametrize(
@@ -38,3 +39,20 @@ def test_help_names_every_default(capsys):
     text = " ".join(capsys.readouterr().out.split())
     assert "--json PATH" in text
     assert "torch.compile backend of the baselines (default: inductor)" in text
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--device", "foo"], "argument --device: invalid choice: 'foo'"),
+        (["--threads", "0"], "argument --threads: must be >= 1, got 0"),
+        (["--device", "cpu", "--modes", "cudagraph"], "--modes cudagraph needs a CUDA device"),
+    ],
+)
+def test_bench_attention_bad_options_are_argparse_errors(argv, message, capsys):
+    """The same options as ``python -m benchmarks``, checked the same way (cudagraph on CPU failed after the
+    minutes-long layer-attention case)."""
+    with pytest.raises(SystemExit) as exit_info:
+        bench_attention_main(argv)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err

@@ -1,0 +1,33 @@
+"""The ``--device`` and ``--threads`` options every benchmark entry point takes, checked before any work.
+
+No torch import at module level: ``--help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_device_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--device", choices=("cuda", "cpu"), default=None,
+                        help="cuda or cpu (default: cuda when available)")
+    parser.add_argument("--threads", type=_positive_int, default=1, metavar="N",
+                        help="CPU threads (default 1: on a shared machine more threads stall in OpenMP barriers)")
+
+
+def check_device_argument(parser: argparse.ArgumentParser, device: str | None) -> None:
+    """An argparse error for ``--device cuda`` where torch sees no CUDA device (it failed deep in torch)."""
+    import torch
+
+    if device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: this torch build sees no CUDA device; use --device cpu")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
