@@ -73,6 +73,8 @@ _CASES = [
     (sconv, _sconv_args, "stream_offset", 0.0, "sconv: stream_offset must be an int, got float"),
     (sconv, _sconv_args, "stream_offset", None, "sconv: stream_offset must be an int, got NoneType"),
     (sconv, _sconv_args, "stream_offset", torch.tensor(0), "sconv: stream_offset must be an int, got Tensor"),
+    # An IntEnum is an int: InklingStream.V was taken as the offset 1, while V starts at head_dim.
+    (sconv, _sconv_args, "stream_offset", InklingStream.V, "sconv: stream_offset must be an int, got InklingStream"),
     (sconv, _sconv_args, "residual", None, "sconv: residual must be a bool, got NoneType"),
     (sconv, _sconv_args, "silu", "yes", "sconv: silu must be a bool, got str"),
     (sconv, _sconv_args, "errors", [0], "sconv: errors must be a torch.Tensor, got list"),
