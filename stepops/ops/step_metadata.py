@@ -46,8 +46,10 @@ def check_step_lengths(builder: str, query_start_loc: torch.Tensor, seq_lens: to
     tokens in this step) are checked only where they cost no device sync: CPU tensors, outside
     ``torch.compile``. On a GPU the op's ``validate=True`` reports their consequences.
     """
-    if not isinstance(num_tokens, (int, torch.SymInt)) or isinstance(num_tokens, bool) or num_tokens < 0:
-        raise ValueError(f"{builder}: num_tokens must be an int >= 0, got {num_tokens!r}")
+    if not isinstance(num_tokens, (int, torch.SymInt)) or isinstance(num_tokens, bool):
+        raise TypeError(f"{builder}: num_tokens must be an int, got {type(num_tokens).__name__}")
+    if num_tokens < 0:
+        raise ValueError(f"{builder}: num_tokens must be >= 0, got {num_tokens}")
     if query_start_loc.dim() != 1 or seq_lens.dim() != 1 or query_start_loc.numel() != seq_lens.numel() + 1:
         raise ValueError(
             f"{builder}: query_start_loc must be [R + 1] and seq_lens [R]; got {tuple(query_start_loc.shape)} "

@@ -70,8 +70,10 @@ def test_inconsistent_steps_are_rejected_on_cpu_naming_the_argument(qsl, seq_len
 
 
 def test_num_tokens_and_dtypes_are_checked():
-    with pytest.raises(ValueError, match="num_tokens must be an int >= 0, got -1"):
+    with pytest.raises(ValueError, match="num_tokens must be >= 0, got -1"):
         build_token_metadata(_i32([0]), _i32([]), -1)
+    with pytest.raises(TypeError, match="build_token_metadata: num_tokens must be an int, got float"):
+        build_token_metadata(_i32([0]), _i32([]), 2.0)
     with pytest.raises(TypeError, match="seq_lens must be an integer tensor, got torch.float32"):
         build_token_metadata(_i32([0, 1]), torch.tensor([3.0]), 2)
 

@@ -8,6 +8,7 @@ import torch
 
 from stepops.layouts import REGION_SIZE
 from stepops.ops.step_metadata import TokenMetadata, build_token_metadata, check_same_device, reuse_token_metadata
+from stepops.specs import check_int
 
 
 class CSARingMetadata(NamedTuple):
@@ -69,9 +70,8 @@ def build_csa_ring_metadata(
     for name, tensor in (("ring_blocks", ring_blocks), ("summary_block_table", summary_block_table)):
         if tensor.dtype.is_floating_point or tensor.dtype.is_complex or tensor.dtype == torch.bool:
             raise TypeError(f"{builder}: {name} must be an integer tensor (block ids), got {tensor.dtype}")
-    for name, value in (("rows_per_block", rows_per_block), ("summary_block_size", summary_block_size)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{builder}: {name} must be an int >= 1, got {value!r}")
+    check_int(f"{builder}: rows_per_block", rows_per_block, 1)
+    check_int(f"{builder}: summary_block_size", summary_block_size, 1)
     if token is None:
         token = build_token_metadata(query_start_loc, seq_lens, num_tokens, builder=builder)
     else:

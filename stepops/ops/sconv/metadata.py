@@ -7,6 +7,7 @@ from typing import NamedTuple
 import torch
 
 from stepops.ops.step_metadata import TokenMetadata, build_token_metadata, check_same_device, reuse_token_metadata
+from stepops.specs import check_int
 
 
 class SconvMetadata(NamedTuple):
@@ -43,10 +44,7 @@ def build_sconv_metadata(
     check_same_device(
         "build_sconv_metadata", block_table=block_table, query_start_loc=query_start_loc, seq_lens=seq_lens
     )
-    if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
-        raise ValueError(
-            f"build_sconv_metadata: block_size must be an int >= 1 (the cache's N, cache.shape[2]), got {block_size!r}"
-        )
+    check_int("build_sconv_metadata: block_size (the cache's N, cache.shape[2])", block_size, 1)
     if block_table.dtype != torch.int32 or block_table.dim() != 2 or block_table.shape[1] < 1:
         raise ValueError(
             f"build_sconv_metadata: block_table must be [R, max_blocks] int32 with max_blocks >= 1, got "
