@@ -53,6 +53,19 @@ def capture_sizes_for(max_tokens: int) -> tuple[int, ...]:
     return tuple(sizes) + (max(max_tokens, 2),)
 
 
+def _check_model_device(model: torch.nn.Module, device: torch.device) -> None:
+    """``ValueError`` naming the first parameter or buffer of ``model`` that is not on ``device`` (its type,
+    and its index when ``device`` names a GPU's): the runner's buffers and caches go there, and a model
+    elsewhere failed inside its first GEMM (or, for ``device="cuda"`` on a CPU build, with torch's assertion)."""
+    for name, tensor in (*model.named_parameters(), *model.named_buffers()):
+        other_gpu = device.type != "cpu" and device.index not in (None, tensor.device.index)
+        if tensor.device.type != device.type or other_gpu:
+            raise ValueError(
+                f"the model's {name} is on {tensor.device}, the runner's device is {device}; move the model "
+                f"first (model.to({str(device)!r}))"
+            )
+
+
 def token_ranges_for(model: torch.nn.Module, max_size: int) -> tuple[tuple[int, int], ...]:
     """The ranges ``(min, max)`` of padded step sizes ``2 .. max_size`` that share one compiled graph.
 
@@ -102,6 +115,7 @@ class StepRunner:
             raise ValueError(f"mode must be {EAGER!r}, {COMPILED!r} or {CUDA_GRAPH!r}, got {mode!r}")
         if mode == CUDA_GRAPH and torch.device(device).type != "cuda":
             raise ValueError("CUDA-graph mode needs a CUDA device")
+        _check_model_device(model, torch.device(device))
         self.model = model
         self.device = torch.device(device)
         self.mode = mode

@@ -44,3 +44,17 @@ def test_a_bad_schedule_is_refused_before_anything_is_written(runner, make_batch
     with pytest.raises(ValueError, match=match):
         runner.step(batch)
     assert snapshot.changed_bytes() == 0
+
+
+def test_a_model_on_another_device_is_refused_naming_the_parameter():
+    """Before: the runner allocated its buffers and caches, and the step failed inside the first GEMM."""
+    model = InklingModel().to("meta")
+    with pytest.raises(ValueError, match=r"the model's \S+ is on meta, the runner's device is cpu; move the model"):
+        StepRunner(model, max_requests=2, max_model_len=32, max_tokens=8, device="cpu")
+
+
+def test_a_cpu_model_with_a_cuda_runner_is_refused():
+    """Before, on a CPU build: torch's ``AssertionError: Torch not compiled with CUDA enabled`` from inside the
+    allocator; with a GPU, a device mismatch inside the first GEMM."""
+    with pytest.raises(ValueError, match=r"is on cpu, the runner's device is cuda; move the model first"):
+        StepRunner(InklingModel(), max_requests=2, max_model_len=32, max_tokens=8, device="cuda")
