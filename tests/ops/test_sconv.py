@@ -264,6 +264,24 @@ def test_padding_rows_are_zero_and_an_all_padding_step_changes_nothing():
     assert torch.equal(_base(cache), before)
 
 
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # inf * 0 in the interpreter
+@pytest.mark.parametrize("kernel", sorted(_KERNELS))
+def test_padding_rows_are_zero_whatever_the_weights(kernel):
+    """Padding rows of y are zero in both kernels even with inf/NaN weights (the Triton kernel's masked taps
+    are 0, and inf * 0 made its padding rows NaN); real rows agree between the kernels as NaN or as bits."""
+    device = triton_device() if kernel == "triton" else torch.device("cpu")
+    x, weight, cache, block_table, metadata, offset = _step(
+        InklingStream.K, prior_lens=[5], new_lens=[2], num_tokens=4, device=device
+    )
+    weight[::3, 0] = float("inf")
+    weight[1::3, 1] = float("nan")
+    y = _KERNELS[kernel](x, weight, cache.clone(), block_table, metadata, offset)
+    want = _KERNELS["torch"](*(t.cpu() for t in (x, weight, cache, block_table)), [m.cpu() for m in metadata], offset)
+    assert torch.equal(y[2:].cpu(), torch.zeros_like(y[2:].cpu()))
+    assert y[:2].isnan().any()
+    torch.testing.assert_close(y.cpu(), want, rtol=0, atol=0, equal_nan=True)
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Bad input
 # ---------------------------------------------------------------------------------------------------------

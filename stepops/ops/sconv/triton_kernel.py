@@ -159,10 +159,11 @@ def _sconv_kernel(
 
     if SILU:
         acc = silu_fp32(acc)
-    # A padding token's taps and residual are all masked to 0, so its row of y is 0 (silu(0) = 0 too).
     x_own = tl.load(x_ptr + token * stride_x_token + x_channel, mask=block_and(tile, is_real), other=0.0)
     if RESIDUAL:
         acc = acc + x_own.to(tl.float32)
+    # A padding token's row of y is 0: its taps are masked to 0, but a non-finite weight times 0 is NaN.
+    acc = tl.where(is_real, acc, 0.0)
     tl.store(y_ptr + token * stride_y_token + channel, round_fp32_to_bf16(acc).to(tl.bfloat16), mask=tile)
 
     stores = is_real & in_extent(slot, num_blocks * block_size)
