@@ -25,6 +25,7 @@ from stepops.ops.csa_ring_update import CSARingMetadata, build_csa_ring_metadata
 from stepops.ops.csa_ring_update.reference import csa_ring_update_reference, fold, region_summary
 from stepops.ops.csa_ring_update.samples import SUMMARY_BLOCK_SIZE, make_step
 from stepops.ops.csa_ring_update.triton_kernel import fold_step, csa_ring_update_triton
+from stepops.ops.csa_ring_update.validate import validate_csa_ring_update_inputs
 from stepops.testing import TOLERANCES, op_samples
 
 _SAMPLES = list(op_samples(op_name="csa_ring_update"))
@@ -99,6 +100,11 @@ STEPS = {
     "ragged_strided": ([12, 1, 4, 3], [12, 40, 27, 30], 10, 13),
     # The leader does not close (region 2 closes at its 4th token) and stores wrap over the rows it reads.
     "chunk_of_capacity_closes_late": ([10], [30], 10, 12),
+    # A chunked-prefill chunk longer than capacity, starting mid-region (positions 13..32): the leader
+    # replays ring rows of positions 8..12 and defers the stores that land on them; the last token
+    # (position 32) lands on the row of position 12, so the deferred row is the chunk's last, not a row
+    # before its stored window.
+    "chunk_longer_than_capacity_starts_mid_region": ([20], [33], 10, 12),
 }
 
 
@@ -327,6 +333,19 @@ def test_validate_mode_checks_ranges_on_the_host(name):
         csa_ring_update(step.index_k, step.index_z, step.ring, step.summary_cache, metadata, 10, validate=True)
 
 
+@pytest.mark.parametrize("name", list(VALIDATE_CASES))
+def test_the_host_validator_itself_rejects_each_case(name):
+    """The validator alone, as ``validate=True`` runs it before the Triton kernel on a GPU: there no kernel
+    raises after it, so a check it drops (a summary slot past the cache, say) goes unreported, while on
+    CPU the PyTorch kernel's own id checks raise the same message and hide the gap."""
+    field, change, message = VALIDATE_CASES[name]
+    step, _ = _valid_args()
+    validate_csa_ring_update_inputs(step.index_k, step.index_z, step.ring, step.summary_cache, step.metadata, 10)
+    metadata = step.metadata._replace(**{field: change(getattr(step.metadata, field))})
+    with pytest.raises(ValueError, match=message):
+        validate_csa_ring_update_inputs(step.index_k, step.index_z, step.ring, step.summary_cache, metadata, 10)
+
+
 def test_validate_reports_its_own_message_under_torch_compile():
     """validate=True runs outside the graph (torch.compiler.disable): its own message under torch.compile,
     not Dynamo's data-dependent guard error."""
@@ -500,3 +519,22 @@ def test_compiled_wrapper_matches_eager_in_place():
     assert not torch.equal(steps[0].cache, before)
     assert torch.equal(steps[0].cache, steps[1].cache)
     assert torch.equal(summary_bytes(steps[0].summary_cache), summary_bytes(steps[1].summary_cache))
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_fp8_summaries_saturate_at_448_instead_of_overflowing_to_nan(kernel):
+    """An fp8 summary past e4m3fn's largest value 448 is stored as +-448 (codes 0x7E / 0xFE), never as the
+    NaN code 0x7F that a bare cast gives. Equal logits make the summary exactly the rows' shared k, so the
+    expected codes follow by hand: k = +-1000 saturates, k = 1.5 is exact (code 0x3C). No random sample's
+    summary comes near 448, so only this test sees a kernel that skips the clamp."""
+    device = triton_device() if kernel != "torch" else torch.device("cpu")
+    step = make_step([16], [16], proxy_dim=16, capacity=10, summary_dtype=torch.float8_e4m3fn, device=device)
+    step.index_z.zero_()
+    step.index_k[:, :4] = 1000.0
+    step.index_k[:, 4:8] = -1000.0
+    step.index_k[:, 8:] = 1.5
+    run(kernel, step)
+    want = torch.tensor([0x7E] * 4 + [0xFE] * 4 + [0x3C] * 8, dtype=torch.uint8)
+    for region in (0, 1):
+        got = summary_bytes(step.summary_cache)[summary_slot(step, 0, region)].cpu()
+        assert got.tolist() == want.tolist(), f"region {region}"

@@ -79,6 +79,11 @@ def _args(**over):
         (dict(value=torch.zeros(3, 2, 4, dtype=torch.bfloat16)), ValueError, "same token count; got 2, 3, 2"),
         (dict(value=torch.zeros(2, 3, 4, dtype=torch.bfloat16)), ValueError, "head count"),
         (dict(key_cache=torch.zeros(3, 4, 2, 8, dtype=torch.bfloat16)), ValueError, "head sizes"),
+        # The value side of each rule on its own (no key mismatch to trip the check first); a value of
+        # head size 1 would otherwise broadcast over every Dv of its slot in the PyTorch kernel.
+        (dict(value_cache=torch.zeros(3, 4, 2, 8, dtype=torch.bfloat16)), ValueError, "value 4 vs value_cache 8"),
+        (dict(value=torch.zeros(2, 2, 1, dtype=torch.bfloat16)), ValueError, "value 1 vs value_cache 4"),
+        (dict(value_cache=torch.zeros(3, 4, 3, 4, dtype=torch.bfloat16)), ValueError, "head count H must agree"),
         (dict(value_cache=torch.zeros(2, 4, 2, 4, dtype=torch.bfloat16)), ValueError, "same \\[num_blocks"),
     ],
 )

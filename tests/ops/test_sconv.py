@@ -21,6 +21,7 @@ from stepops.ops.sconv.reference import sconv_reference
 from stepops.ops.sconv.samples import SAMPLE_LAYOUT, random_block_table, sample_cache, step_metadata
 from stepops.ops.sconv.torch_kernel import silu_fp32
 from stepops.ops.sconv.triton_kernel import sconv_triton, silu_fp32 as triton_silu_fp32
+from stepops.ops.bounds import error_counter
 from stepops.testing import TOLERANCES, op_samples
 
 _SAMPLES = list(op_samples(op_name="sconv"))
@@ -236,6 +237,24 @@ def test_unallocated_blocks_of_earlier_taps_read_as_zero_in_both_kernels(kernel)
     device = triton_device() if kernel == "triton" else torch.device("cpu")
     x, weight, cache, block_table, metadata, offset = _unallocated_step(device)
     assert metadata.slot_mapping.tolist()[0] == -1  # request 0's own position 9 has no block either
+    want_y, want_storage = _reference(x, weight, cache, block_table, metadata, offset)
+    y = _KERNELS[kernel](x, weight, cache, block_table, metadata, offset)
+    assert torch.equal(y.cpu(), want_y)
+    assert torch.equal(_base(cache).cpu(), want_storage.cpu())
+
+
+@pytest.mark.parametrize("kernel", sorted(_KERNELS))
+def test_an_earlier_tap_past_the_block_table_reads_zero_when_the_last_column_is_allocated(kernel):
+    """Request 0 (table ``[2, 3]``, N = 4) decodes position 9: taps 6, 7 in block 3, tap 8 in column 2,
+    past the table's two columns, so a zero tap. A kernel that clamps the column into the table instead
+    of masking it reads block 3's slot 0 there; ``_unallocated_step`` cannot show that, because its last
+    column is ``-1`` and the clamped read is masked as unallocated anyway."""
+    device = triton_device() if kernel == "triton" else torch.device("cpu")
+    x, weight, cache, _, _, offset = _unallocated_step(device)
+    cache[3].normal_()  # block 3's slot 0 must not be a zero row by chance
+    block_table = torch.tensor([[2, 3], [5, 6]], dtype=torch.int32, device=device)
+    metadata = step_metadata([9, 5], [1, 2], block_table, 4, 4)
+    assert metadata.slot_mapping.tolist()[0] == -1  # position 9 is past the table too
     want_y, want_storage = _reference(x, weight, cache, block_table, metadata, offset)
     y = _KERNELS[kernel](x, weight, cache, block_table, metadata, offset)
     assert torch.equal(y.cpu(), want_y)
@@ -552,3 +571,24 @@ def test_validate_reports_its_own_message_under_torch_compile():
 
 def test_validate_names_backwards_positions():
     assert "positions run backwards" in _validate_error(edit_metadata=_set("token_position", 1, 5))
+
+
+def test_triton_counts_a_bad_token_once_when_its_row_spans_several_programs():
+    """width 512: one head per program, so H = 2 heads are 2 programs of one token. A token with a slot
+    past the cache is one error (the PyTorch kernel raises for it), not one per program; its good
+    neighbour is stored and the bad one writes nothing."""
+    device = triton_device()
+    heads, width, block_size = 2, 512, 4
+    cache = torch.zeros(2, heads, block_size, width, dtype=torch.bfloat16, device=device)
+    x = torch.randn(2, heads * width).to(device=device, dtype=torch.bfloat16)
+    weight = torch.randn(heads * width, 4).to(device=device, dtype=torch.bfloat16)
+    block_table = torch.tensor([[0, 1]], dtype=torch.int32, device=device)
+    metadata = SconvMetadata(*(torch.tensor(v, dtype=torch.int32, device=device)
+                               for v in ([0, 0], [0, 0], [0, 10**6], [0, 1])))  # fmt: skip
+    with pytest.raises(ValueError, match="slot_mapping"):
+        torch.ops.stepops.sconv(x.cpu(), weight.cpu(), cache.cpu(), block_table.cpu(), *(m.cpu() for m in metadata), 0)
+    errors = error_counter(device)
+    sconv_triton(x, weight, cache, block_table, *metadata, 0, errors=errors)
+    assert errors.tolist() == [1]
+    assert torch.equal(cache[0, :, 0].cpu(), x[0].view(heads, width).cpu())
+    assert int(torch.count_nonzero(cache[:, :, 1:].cpu())) == 0 and int(torch.count_nonzero(cache[1].cpu())) == 0
