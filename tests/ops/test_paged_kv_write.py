@@ -7,6 +7,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from stepops.ops.paged_kv_write import paged_kv_write
 from stepops.ops.paged_kv_write.reference import paged_kv_write_reference
 from stepops.ops.paged_kv_write.triton_kernel import paged_kv_write_triton
+from stepops.ops.paged_kv_write.validate import validate_paged_kv_write_inputs
 from stepops.testing import op_samples
 from conftest import triton_device
 
@@ -96,11 +97,19 @@ def test_bad_input_gets_a_clear_error(over, error, text):
         torch.ops.stepops.paged_kv_write(**{k: mode.from_tensor(v) for k, v in _args(**over).items()})
 
 
-def test_validate_checks_slot_ranges_and_duplicates():
-    with pytest.raises(ValueError, match="paged_kv_write: slot_mapping must be -1 or in \\[0, 12\\)"):
-        paged_kv_write(**_args(slot_mapping=torch.tensor([0, 12], dtype=torch.int32)), validate=True)
+@pytest.mark.parametrize("validate", [
+    lambda **args: paged_kv_write(**args, validate=True),
+    # The validator alone, as validate=True runs it before the Triton kernel on a GPU, where no kernel raises
+    # after it: on CPU the PyTorch kernel's own id check raises the same range message and would hide a gap.
+    validate_paged_kv_write_inputs,
+], ids=["wrapper", "validator_alone"])
+def test_validate_checks_slot_ranges_and_duplicates(validate):
+    validate(**_args())
+    for slots in ([0, 12], [-2, 0]):
+        with pytest.raises(ValueError, match="paged_kv_write: slot_mapping must be -1 or in \\[0, 12\\)"):
+            validate(**_args(slot_mapping=torch.tensor(slots, dtype=torch.int32)))
     with pytest.raises(ValueError, match="two tokens of one call the same slot"):
-        paged_kv_write(**_args(slot_mapping=torch.tensor([3, 3], dtype=torch.int32)), validate=True)
+        validate(**_args(slot_mapping=torch.tensor([3, 3], dtype=torch.int32)))
 
 
 def test_triton_kernel_reads_a_strided_slot_mapping_by_its_stride():
