@@ -21,6 +21,7 @@ from stepops.ops.sconv.reference import sconv_reference
 from stepops.ops.sconv.samples import SAMPLE_LAYOUT, random_block_table, sample_cache, step_metadata
 from stepops.ops.sconv.torch_kernel import silu_fp32
 from stepops.ops.sconv.triton_kernel import sconv_triton, silu_fp32 as triton_silu_fp32
+from stepops.ops.sconv.validate import validate_sconv_inputs
 from stepops.ops.bounds import error_counter
 from stepops.testing import TOLERANCES, op_samples
 
@@ -366,7 +367,9 @@ def test_bad_input_is_rejected_by_the_op_the_fake_and_the_triton_launcher(edit, 
 
 
 def _validate_error(*, prior_lens=(6, 2), new_lens=(3, 2), edit_metadata=None, edit_table=None):
-    """Run sconv(validate=True) on a step spoiled by the edits; return the ValueError's message."""
+    """Run sconv(validate=True) on a step spoiled by the edits; return the ValueError's message, which the
+    validator alone must raise too (on a GPU no kernel raises after it; on CPU the PyTorch kernel's id
+    checks would raise for some cases and hide a check the validator dropped)."""
     x, weight, cache, block_table, metadata, offset = _step(
         InklingStream.K, prior_lens=prior_lens, new_lens=new_lens, num_tokens=7
     )
@@ -380,6 +383,9 @@ def _validate_error(*, prior_lens=(6, 2), new_lens=(3, 2), edit_metadata=None, e
     with pytest.raises(ValueError) as info:
         sconv(x, weight, cache, block_table, metadata, offset, validate=True)
     assert torch.equal(_base(cache), before), "validate=True must raise before the op writes"
+    with pytest.raises(ValueError) as alone:
+        validate_sconv_inputs(x, weight, cache, block_table, metadata, offset)
+    assert str(alone.value) == str(info.value)
     return str(info.value)
 
 
