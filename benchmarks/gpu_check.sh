@@ -24,11 +24,16 @@ part() {  # part NAME TIMEOUT_S COMMAND...
     names+=("$name"); statuses+=("$([ $rc -eq 0 ] && echo ok || echo "FAIL rc=$rc")"); seconds+=("$((SECONDS - start))")
 }
 
-"$py" - <<'PY' >"$out/env.txt" 2>&1
+if ! "$py" - <<'PY' >"$out/env.txt" 2>&1
 import torch, triton
 print("torch", torch.__version__, "triton", triton.__version__, "cuda", torch.version.cuda)
 print("device", torch.cuda.get_device_name(0) if torch.cuda.is_available() else "NO GPU")
 PY
+then
+    cat "$out/env.txt" >&2
+    echo "gpu_check.sh: $py cannot import torch and triton; set PYTHON, or run scripts/run.sh once" >&2
+    exit 2
+fi
 cat "$out/env.txt"
 # Without a GPU every part would run its limit out on CPU fallbacks: stop here instead.
 if grep -q "^device NO GPU" "$out/env.txt"; then
