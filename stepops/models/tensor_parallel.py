@@ -125,7 +125,9 @@ def shard_state_dict(
                 f"{key}: dim {rule.dim} of shape {tuple(value.shape)} does not split into {rule.parts} x {tp_size} slices"
             )
         chunks = value.unflatten(rule.dim, (rule.parts, tp_size, -1)).select(rule.dim + 1, tp_rank)
-        out[key] = chunks.flatten(rule.dim, rule.dim + 1).contiguous()
+        # clone, not contiguous(): a dim-0 slice is already contiguous, and contiguous() would return a view
+        # that aliases (and keeps alive) the whole full tensor.
+        out[key] = chunks.flatten(rule.dim, rule.dim + 1).clone(memory_format=torch.contiguous_format)
     return out
 
 

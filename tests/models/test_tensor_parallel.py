@@ -248,6 +248,43 @@ def test_shard_refuses_tp_above_kv_heads_and_unknown_keys():
         shard_inkling_state_dict(full, CONFIG, tp_rank=2, tp_size=2)
 
 
+def test_shard_state_dict_slices_by_hand():
+    """The generic slicer on a hand-made state dict (its own checks, not inkling_sharding's): rank 1 of 2 keeps
+    the second half of rows / columns, of each chunk of a fused ``[gate; up]``, and every replicated tensor
+    whole; each value is a contiguous copy (a rank writing its shard must not write the full dict)."""
+    from stepops.models.tensor_parallel import ShardRule, shard_state_dict
+
+    w = torch.arange(24.0).view(6, 4)
+    fused = torch.arange(16.0).view(8, 2)  # gate rows 0..3, up rows 4..7
+    norm = torch.ones(4)
+    state = {"rows": w, "cols": w, "fused": fused, "norm": norm}
+    rules = {"rows": ShardRule(0), "cols": ShardRule(1), "fused": ShardRule(0, parts=2), "norm": None}
+    shard = shard_state_dict(state, rules, tp_rank=1, tp_size=2)
+    assert torch.equal(shard["rows"], w[3:6])
+    assert torch.equal(shard["cols"], w[:, 2:4])
+    assert torch.equal(shard["fused"], torch.cat([fused[2:4], fused[6:8]]))  # gate rows 2, 3 then up rows 6, 7
+    assert torch.equal(shard["norm"], norm)
+    for key, value in shard.items():
+        assert value.is_contiguous(), key
+        assert value.untyped_storage().data_ptr() != state[key].untyped_storage().data_ptr(), key
+    # 6 rows split 2 x 2 ways: divisible by tp alone, not by parts * tp.
+    with pytest.raises(ValueError, match=r"fused: dim 0 of shape \(6, 1\) does not split into 2 x 2 slices"):
+        shard_state_dict({"fused": torch.zeros(6, 1)}, {"fused": ShardRule(0, parts=2)}, tp_rank=0, tp_size=2)
+    with pytest.raises(ValueError, match="no sharding rule for 'extra'"):
+        shard_state_dict({**state, "extra": torch.zeros(2)}, rules, tp_rank=0, tp_size=2)
+    with pytest.raises(ValueError, match="need 0 <= tp_rank < tp_size, got tp_rank=-1"):
+        shard_state_dict(state, rules, tp_rank=-1, tp_size=2)
+
+
+def test_tensor_parallel_split():
+    from stepops.models.tensor_parallel import TensorParallel
+
+    assert TensorParallel.from_group(None) == TensorParallel(None, 1, 0)
+    assert TensorParallel(None, 2, 1).split(8, "KV heads") == 4
+    with pytest.raises(ValueError, match=r"^KV heads \(7\) must be divisible by the tensor-parallel size \(2\)$"):
+        TensorParallel(None, 2, 1).split(7, "KV heads")
+
+
 def test_tensor_parallel_imports_no_model():
     """The dependency is one-way: models import tensor_parallel, never the reverse."""
     import ast
