@@ -38,12 +38,13 @@ def test_layout_without_a_model_prints_both_defaults(tmp_path):
     assert _row(out, "KV page") == "73728 B"
     assert _row(out, "required rows (7 + k)") == "10 of 1024 B"
     assert _row(out, "ring capacity").startswith("72 rows")
-    assert _row(out, "rows_per_block").startswith("72 unpadded")
+    assert _row(out, "rows_per_block") == "72 unpadded; block stride / 512 if strided wider"  # 1024 B / 2 B
     assert _row(out, "ring spec head_size").startswith("576 ")
     assert _row(out, "smallest block size").startswith("16 (page 18432 B, capacity 18 rows)")
     # Inkling default: 8 heads of 128, hidden 4096 -> 512 per head; 2*128 + 2*512 = 1280 -> D = 2048.
     assert _row(out, "KV heads per rank (H)").startswith("8 ")
-    assert _row(out, "D (head_size)").startswith("2048 ")
+    assert _row(out, "D (head_size)") == "2048 = next power of two of 2*128 + 2*512 = 1280 (768 padding)"
+    assert _row(out, "head_dim, hidden_per_head") == "128, 512"
     assert _row(out, "stream K") == "[0, 128) width 128"
     assert _row(out, "stream V") == "[128, 256) width 128"
     assert _row(out, "stream ATTN_OUT") == "[256, 768) width 512"
@@ -82,6 +83,9 @@ def test_step5_with_main_layer_heads(capsys):
     assert _row(out, "ring capacity").startswith("64 rows")
     assert _row(out, "ring spec head_size").startswith("2048 ")  # 65536 / (16 * 2)
     assert _row(out, "required rows (7 + k)") == "9 of 1024 B"
+    assert _row(out, "main attention layer") == "8 KV head(s) x (128 + 128) x 2 B = 4096 B per token"
+    # 4096 B per token: 16 tokens already hold 64 >= 9 rows.
+    assert _row(out, "smallest block size").startswith("16 (page 65536 B, capacity 64 rows)")
 
 
 def test_step5_fp8_main_layer_and_smallest_block_size(capsys):
@@ -90,6 +94,7 @@ def test_step5_fp8_main_layer_and_smallest_block_size(capsys):
     assert main(["layout", "step5", "--dtype", "float8_e4m3fn"]) == 0
     out = capsys.readouterr().out
     assert _row(out, "KV page") == "36864 B"
+    assert _row(out, "main attention layer") == "1 KV head(s) x (576 + 0) x 1 B = 576 B per token"
     assert _row(out, "smallest block size").startswith("32 (page 18432 B, capacity 18 rows)")
 
 
@@ -133,6 +138,9 @@ def test_inkling_tensor_parallel_and_enlarged_block(capsys):
     assert _row(out, "cache shape (HND)") == "[num_blocks, 4, 32, 2048] bfloat16"
     assert _row(out, "page bytes") == "524288 per block"
     assert _row(out, "block size (N)") == "32 (kernel size 4)"
+    # hidden_per_head = 4096 / 8 total heads, whatever tp is; D and its padding are tp-invariant too.
+    assert _row(out, "head_dim, hidden_per_head") == "128, 512"
+    assert _row(out, "D (head_size)") == "2048 = next power of two of 2*128 + 2*512 = 1280 (768 padding)"
 
 
 @pytest.mark.parametrize(

@@ -125,6 +125,9 @@ def test_smallest_block_size_examples():
     # 64 B/token (one 32-wide bf16 head): 10 rows = 10240 B = 160 tokens.
     assert smallest_block_size(bytes_per_token=64, num_speculative_tokens=3) == 160
     assert smallest_block_size(bytes_per_token=1152, num_speculative_tokens=12, candidates=[64, 8, 16]) == 64
+    # Candidates are tried smallest first whatever their order: at 1152 B/token and k = 12 (19 rows) both 32
+    # (36 rows) and 64 (72 rows) fit, 16 (18 rows) does not; the answer is 32, not the first listed.
+    assert smallest_block_size(bytes_per_token=1152, num_speculative_tokens=12, candidates=[64, 32, 16]) == 32
     # 1 B/token needs 10240 tokens for 10 rows: past every candidate.
     with pytest.raises(ValueError, match="no candidate block size"):
         smallest_block_size(bytes_per_token=1, num_speculative_tokens=3)
@@ -310,6 +313,23 @@ def test_inkling_numbers():
     assert layout.page_bytes(32) == 8 * 32 * 2048 * 2
     # An exact power of two is not padded: 2*64 + 2*64 = 256.
     assert InklingConvStateLayout(num_kv_heads=4, head_dim=64, hidden_size=256, kernel_size=4).head_size == 256
+
+
+def test_inkling_stream_range_of_adjacent_streams():
+    """Adjacent streams taken as one: offset of the first, widths summed (K and V 8 wide, ATTN_OUT and MLP_OUT
+    12 / 2 = 6 wide), so also where the widths differ (V + ATTN_OUT = 8 + 6)."""
+    layout = InklingConvStateLayout(num_kv_heads=2, head_dim=8, hidden_size=12, kernel_size=3)
+    assert layout.stream_range((InklingStream.K, InklingStream.V)) == (0, 16)
+    assert layout.stream_range((InklingStream.V, InklingStream.ATTN_OUT)) == (8, 14)
+    assert layout.stream_range((InklingStream.ATTN_OUT, InklingStream.MLP_OUT)) == (16, 12)
+    assert layout.stream_range(tuple(InklingStream)) == (0, 28)  # 2*8 + 2*6, the whole packed width
+    assert layout.stream_range((InklingStream.MLP_OUT,)) == (22, 6)
+    with pytest.raises(ValueError, match=r"streams \['V', 'K'\] are not adjacent"):
+        layout.stream_range((InklingStream.V, InklingStream.K))
+    with pytest.raises(ValueError, match=r"streams \['K', 'ATTN_OUT'\] are not adjacent"):
+        layout.stream_range((InklingStream.K, InklingStream.ATTN_OUT))
+    with pytest.raises(ValueError, match="stream must be one of"):
+        layout.stream_range(())
 
 
 def test_inkling_streams_by_name():

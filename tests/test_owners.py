@@ -71,6 +71,9 @@ def test_paged_attention_layer_binds_strided_nhd_cache():
     assert torch.equal(layer.key_cache, cache[..., :8]) and torch.equal(layer.value_cache, cache[..., 8:])
     with pytest.raises(ValueError, match=r"must be \[num_blocks, N, 2, 12\] with num_blocks >= 1 and N a multiple of 4"):
         layer.bind_kv_cache(torch.zeros(3, 6, 2, 12, dtype=torch.bfloat16))
+    # One head where the spec has two (N = 8 is a multiple of 4, the width is right): not this layer's cache.
+    with pytest.raises(ValueError, match=r"must be \[num_blocks, N, 2, 12\] .*got shape \(3, 8, 1, 12\)"):
+        layer.bind_kv_cache(torch.zeros(3, 8, 1, 12, dtype=torch.bfloat16))
     # No block: a ValueError as for the ring and the conv state (it was an IndexError reading block 0).
     with pytest.raises(ValueError, match=r"num_blocks >= 1 and N a multiple of 4, got shape \(0, 8, 2, 12\)"):
         layer.bind_kv_cache(torch.zeros(0, 8, 2, 12, dtype=torch.bfloat16))
@@ -80,6 +83,17 @@ def test_paged_attention_layer_binds_strided_nhd_cache():
         layer.bind_kv_cache(base.as_strided((3, 8, 2, 12), (page // 2, 24, 12, 1)))
     with pytest.raises(ValueError, match="contiguous within a block"):
         layer.bind_kv_cache(torch.zeros(3, 2, 4, 12, dtype=torch.bfloat16).transpose(1, 2))
+
+
+def test_paged_attention_layer_with_one_packed_latent_has_no_value_columns():
+    """``head_size_v=0`` (an MLA-style latent): the keys are the whole last dim, the values an empty slice."""
+    layer = PagedAttentionLayer(
+        prefix="a", num_kv_heads=1, head_size=576, head_size_v=0, block_size=4, static_forward_context={}
+    )
+    cache = torch.randn(2, 4, 1, 576).to(torch.bfloat16)
+    layer.bind_kv_cache(cache)
+    assert torch.equal(layer.key_cache, cache)
+    assert layer.value_cache.shape == (2, 4, 1, 0)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -119,6 +133,23 @@ def test_ring_spec_is_one_main_page_of_rows():
     )
     assert spec.page_size_bytes == main.get_kv_cache_spec().page_size_bytes == 16384
     assert ring.capacity == 16
+
+
+def test_ring_spec_from_a_multi_head_main_layer_reproduces_its_page():
+    """A main layer of 8 KV heads of 128 K + 128 V bf16: 8 * 256 * 2 = 4096 B per token, 16 tokens = 65536 B
+    = 64 rows. The ring declares 1 KV head of 65536 / (16 * 2) = 2048 bf16 per token (not one 512-element row,
+    not the main layer's 8 heads), so its page is the main page."""
+    context = {}
+    main = PagedAttentionLayer(
+        prefix="layers.0.attn", num_kv_heads=8, head_size=128, block_size=16, static_forward_context=context
+    )
+    ring = _ring(context, k=2)
+    spec = ring.get_kv_cache_spec()
+    assert spec == CircularBufferSpec(
+        block_size=16, num_kv_heads=1, head_size=2048, head_size_v=0, dtype=torch.bfloat16, block_stride_alignment=1024
+    )
+    assert spec.page_size_bytes == main.get_kv_cache_spec().page_size_bytes == 65536
+    assert ring.capacity == 64
 
 
 @pytest.mark.parametrize(
@@ -209,6 +240,13 @@ def test_ring_bind_rejects_bad_caches_with_value_errors():
         "Step5 CSA tail ring layers.0.ring: a bound cache block of 4096 bytes (shape (4, 1, 512), "
         "torch.bfloat16) is not 9 or more whole 1024-byte rows; bind the cache allocated for this ring's "
         "get_kv_cache_spec()"
+    )
+    # 8 whole rows, one short of 7 + 2: still the bound tensor's message, not the seed's --block-size advice.
+    with pytest.raises(ValueError) as info:
+        ring.bind_kv_cache(torch.zeros(3, 8, 1, 512, dtype=torch.bfloat16))
+    assert str(info.value).startswith(
+        "Step5 CSA tail ring layers.0.ring: a bound cache block of 8192 bytes (shape (8, 1, 512), "
+        "torch.bfloat16) is not 9 or more whole 1024-byte rows"
     )
     with pytest.raises(ValueError, match=r"block of 19200 bytes \(shape \(32, 1, 300\), torch.bfloat16\) is not 9 "):
         ring.bind_kv_cache(torch.zeros(3, 32, 1, 300, dtype=torch.bfloat16))
