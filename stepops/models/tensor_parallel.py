@@ -60,12 +60,6 @@ class TensorParallel:
             raise ValueError("this process is not a member of process_group")
         return cls(group, size, rank) if size > 1 else cls()
 
-    def split(self, total: int, what: str) -> int:
-        """This rank's share of ``total`` (``total / size``); ``ValueError`` naming ``what`` when uneven."""
-        if total % self.size:
-            raise ValueError(f"{what} ({total}) must be divisible by the tensor-parallel size ({self.size})")
-        return total // self.size
-
 
 def reduce_scatter_hidden(partial: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
     """Sum the ranks' partial sublayer outputs ``[T, hidden]`` and keep this rank's channels ``[T, hidden/tp]``.
