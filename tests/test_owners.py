@@ -123,33 +123,32 @@ def test_ring_duplicate_name_is_the_seeds_error():
         _ring(context, prefix="layers.0.attn")
 
 
-def test_ring_spec_is_one_main_page_of_rows():
-    context = {}
-    main = _main_layer(context, block_size=16)  # 16 tokens * 1 KB = 16384-byte page
-    ring = _ring(context, k=2)
-    spec = ring.get_kv_cache_spec()
-    assert spec == CircularBufferSpec(
-        block_size=16, num_kv_heads=1, head_size=512, head_size_v=0, dtype=torch.bfloat16, block_stride_alignment=1024
-    )
-    assert spec.page_size_bytes == main.get_kv_cache_spec().page_size_bytes == 16384
-    assert ring.capacity == 16
-
-
-def test_ring_spec_from_a_multi_head_main_layer_reproduces_its_page():
-    """A main layer of 8 KV heads of 128 K + 128 V bf16: 8 * 256 * 2 = 4096 B per token, 16 tokens = 65536 B
-    = 64 rows. The ring declares 1 KV head of 65536 / (16 * 2) = 2048 bf16 per token (not one 512-element row,
-    not the main layer's 8 heads), so its page is the main page."""
+@pytest.mark.parametrize(
+    "num_kv_heads, head_size, ring_head_size, page_bytes, capacity",
+    [
+        # One KV head of 256 K + 256 V bf16: 1 KB per token, 16 tokens = 16384 B = 16 rows of 512 bf16.
+        (1, 256, 512, 16384, 16),
+        # 8 KV heads of 128 K + 128 V bf16: 8 * 256 * 2 = 4096 B per token, 16 tokens = 65536 B = 64 rows. The
+        # ring declares 1 KV head of 65536 / (16 * 2) = 2048 bf16 per token (not one 512-element row, not the
+        # main layer's 8 heads), so its page is the main page.
+        (8, 128, 2048, 65536, 64),
+    ],
+    ids=["one_head", "eight_heads"],
+)
+def test_ring_spec_is_one_main_page_of_rows(num_kv_heads, head_size, ring_head_size, page_bytes, capacity):
     context = {}
     main = PagedAttentionLayer(
-        prefix="layers.0.attn", num_kv_heads=8, head_size=128, block_size=16, static_forward_context=context
+        prefix="layers.0.attn", num_kv_heads=num_kv_heads, head_size=head_size, block_size=16,
+        static_forward_context=context,
     )
     ring = _ring(context, k=2)
     spec = ring.get_kv_cache_spec()
     assert spec == CircularBufferSpec(
-        block_size=16, num_kv_heads=1, head_size=2048, head_size_v=0, dtype=torch.bfloat16, block_stride_alignment=1024
+        block_size=16, num_kv_heads=1, head_size=ring_head_size, head_size_v=0, dtype=torch.bfloat16,
+        block_stride_alignment=1024,
     )
-    assert spec.page_size_bytes == main.get_kv_cache_spec().page_size_bytes == 65536
-    assert ring.capacity == 64
+    assert spec.page_size_bytes == main.get_kv_cache_spec().page_size_bytes == page_bytes
+    assert ring.capacity == capacity
 
 
 @pytest.mark.parametrize(
