@@ -52,15 +52,14 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-# Options that only the default ``run`` command reads; ``static`` takes --json alone.
-_RUN_ONLY = ("quick", "tiny", "ops", "layers", "no_layers", "attention", "no_attention", "device", "threads",
-             "compile_backend")
-
-
 def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Refuse, as argparse errors before any work, what would otherwise fail deep in torch or be ignored."""
     if args.command == "static":
-        given = [name for name in _RUN_ONLY if getattr(args, name) != parser.get_default(name)]
+        # Every option but --json is read by ``run`` only: a new one is refused here without a list to update.
+        given = [
+            name for name, value in vars(args).items()
+            if name not in ("command", "json") and value != parser.get_default(name)
+        ]
         if given:
             flags = ", ".join("--" + name.replace("_", "-") for name in given)
             parser.error(f"static takes only --json, not {flags} (options of run)")
@@ -68,7 +67,7 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
     import torch
 
     check_device_argument(parser, args.device)
-    if args.compile_backend not in torch._dynamo.list_backends(exclude_tags=()):
+    if args.compile_backend not in torch.compiler.list_backends(exclude_tags=()):
         parser.error(f"--compile-backend {args.compile_backend!r} is not a torch.compile backend; "
                      "e.g. inductor, aot_eager or eager")
 
