@@ -102,7 +102,7 @@ def _moe(c: Step5Config, state: Mapping[str, torch.Tensor], prefix: str, h: torc
     return out.to(h.dtype)
 
 
-def _indexer_scores(
+def indexer_scores(
     c: Step5Config, state: Mapping[str, torch.Tensor], prefix: str, h: torch.Tensor, theta: float, scaling
 ) -> torch.Tensor:
     """``[L, G, num_complete_regions]`` fp32: each query's score of each complete region, per KV group."""
@@ -154,7 +154,7 @@ def region_selection(scores: torch.Tensor, top_k: int, margin: float | None) -> 
     return allowed, near
 
 
-def _layer(
+def recompute_layer(
     c: Step5Config, state: Mapping[str, torch.Tensor], i: int, x: torch.Tensor, margin: float | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Layer ``i`` on the fp32 residual ``x [L, hidden]``; returns it and the near-tie rows ``[L]``."""
@@ -173,7 +173,7 @@ def _layer(
     j_pos = torch.arange(length)[None, :]
     near = torch.zeros(length, dtype=torch.bool)
     if kind == CSA:
-        allowed, near = region_selection(_indexer_scores(c, state, prefix, h, theta, scaling), c.index_top_k, margin)
+        allowed, near = region_selection(indexer_scores(c, state, prefix, h, theta, scaling), c.index_top_k, margin)
         allowed &= j_pos <= i_pos
     else:
         allowed = ((j_pos <= i_pos) & (j_pos > i_pos - c.sliding_window)).expand(groups, length, length)
@@ -212,7 +212,7 @@ def step5_recompute(
     residual = x.float()
     with torch.inference_mode():
         for i in range(len(config.layer_types)):
-            residual, near = _layer(config, state, i, residual, near_tie_margin)
+            residual, near = recompute_layer(config, state, i, residual, near_tie_margin)
             rows |= near.cummax(0).values if i < len(config.layer_types) - 1 else near
         out = _norm(residual.to(torch.bfloat16), state["norm.weight"], config.rms_norm_eps).to(torch.bfloat16)
     return out, rows

@@ -4,6 +4,7 @@ to the lower id in both the layer and the recompute; the layer's indexer scores 
 import pytest
 import torch
 
+from stepops.layouts import REGION_SIZE
 from stepops.models import Step5Config, Step5Model
 from stepops.models.runner import StepRunner, Workload, run_workload
 from stepops.models.step5_weights import load_step5_state_dict
@@ -59,7 +60,7 @@ def test_tied_scores_select_the_lowest_region_ids(monkeypatch):
         for p, groups in zip(position.tolist(), selected):
             if p < 0:
                 continue
-            own = p // 8  # always read besides the selection
+            own = p // REGION_SIZE  # always read besides the selection
             want = torch.full_like(groups[0], -1)
             want[: min(own, k)] = torch.arange(min(own, k))
             for row in groups:
@@ -98,7 +99,7 @@ def test_moe_layers_sum_routed_and_shared_experts_before_the_residual(monkeypatc
     monkeypatch.setattr(reference, "_moe", lambda c, state, prefix, h: branch)
     monkeypatch.setattr(reference, "_swiglu", lambda h, gate, up, down, limit: branch)  # the shared expert
     with torch.inference_mode():
-        got, _ = reference._layer(config, checkpoint, 0, residual, None)
+        got, _ = reference.recompute_layer(config, checkpoint, 0, residual, None)
     assert torch.equal(got, want)
 
 
@@ -111,7 +112,7 @@ _INDEXER_SCORE_BOUND = 2**-16
 @pytest.mark.parametrize("seed", range(2))
 def test_indexer_scores_equal_the_recompute(seed, monkeypatch):
     """Every score the CSA layer's indexer ranks, over steps (a prefill chunk, a decode, a longer chunk whose
-    tokens close regions by replaying ring rows), equals ``step5_reference._indexer_scores`` on the same
+    tokens close regions by replaying ring rows), equals ``step5_reference.indexer_scores`` on the same
     normed inputs, and exactly the regions before the token's own are scored (the rest ``-inf``). The
     output comparisons see an indexer error only when it flips a selection; e.g. indexer head weights
     computed from the fp32 checkpoint weight instead of its bf16 rounding (as the reference loads it)
@@ -154,14 +155,14 @@ def test_indexer_scores_equal_the_recompute(seed, monkeypatch):
     h = torch.zeros(length, config.hidden_size, dtype=torch.bfloat16)
     for position, normed, _ in recorded:
         h[position[position >= 0]] = normed[position >= 0]
-    want = reference._indexer_scores(config, checkpoint, "layers.0.", h, config.csa_rope_theta, config.csa_rope_scaling)
+    want = reference.indexer_scores(config, checkpoint, "layers.0.", h, config.csa_rope_theta, config.csa_rope_scaling)
     bound = _INDEXER_SCORE_BOUND * float(want.abs().amax())
     checked = 0
     for position, _, scores in recorded:
         for p, got in zip(position.tolist(), scores):
             if p < 0:
                 continue
-            own = p // 8
+            own = p // REGION_SIZE
             assert got[:, own:].eq(float("-inf")).all(), f"position {p}: a region from its own on was scored"
             err = (got[:, :own] - want[p, :, :own]).abs().max() if own else torch.tensor(0.0)
             assert err <= bound, f"position {p}: indexer score off by {float(err):.3g} (bound {bound:.3g})"
