@@ -21,6 +21,7 @@ from conftest import triton_device
 from test_csa_ring_update_exp import assert_same_bits_or_both_nan, special_logits
 import triton
 import triton.language as tl
+from stepops.layouts import REGION_SIZE
 from stepops.ops.csa_ring_update import CSARingMetadata, build_csa_ring_metadata, csa_ring_update
 from stepops.ops.csa_ring_update.reference import csa_ring_update_reference, fold, region_summary
 from stepops.ops.csa_ring_update.samples import SUMMARY_BLOCK_SIZE, make_step
@@ -182,22 +183,23 @@ def test_both_kernels_give_nan_summaries_for_nan_and_inf_logits(summary_dtype):
     PyTorch kernel left the row and every later one out of a finite summary, and Triton's default
     ``max``/``min`` (``max.f32`` on a GPU, ``np.fmax`` in the interpreter) gave yet other finite bits."""
     step = make_step([16], [16], proxy_dim=16, capacity=10, summary_dtype=summary_dtype)
-    args = list(step.op_args())
-    args[1][0, :4] = float("nan")  # row 0 of region 0: the fold's starting maximum
-    args[1][2, 4:8] = float("nan")  # row 2 of region 0
-    args[1][13, 8:12] = float("inf")  # row 5 of region 1
-    args[1][8:16, 12] = -float("inf")  # a whole column of region 1
-    want = [region_summary(args[0][r : r + 8], args[1][r : r + 8], summary_dtype).float() for r in (0, 8)]
+    z = step.index_z  # [16 tokens = 2 regions of 8, 16 dims]
+    z[0, :4] = float("nan")  # row 0 of region 0: the fold's starting maximum
+    z[2, 4:8] = float("nan")  # row 2 of region 0
+    z[13, 8:12] = float("inf")  # row 5 of region 1
+    z[8:16, 12] = -float("inf")  # a whole column of region 1
+    regions = (slice(0, REGION_SIZE), slice(REGION_SIZE, 2 * REGION_SIZE))
+    want = [region_summary(step.index_k[rows], z[rows], summary_dtype).float() for rows in regions]
     dims = torch.arange(16)
     nan_dims = [dims < 8, (dims // 4 == 2) | (dims == 12)]
-    triton_args = [a.clone().to(triton_device()) if isinstance(a, torch.Tensor) else a for a in args]
-    torch.ops.stepops.csa_ring_update(*args)
+    triton_args = [a.clone().to(triton_device()) if isinstance(a, torch.Tensor) else a for a in step.op_args()]
+    torch.ops.stepops.csa_ring_update(*step.op_args())
     csa_ring_update_triton(*triton_args)
-    assert torch.equal(triton_args[2].cpu().view(torch.int16), args[2].view(torch.int16))
-    for summary_cache in (args[3], triton_args[3].cpu()):
+    triton_ring, triton_summary_cache = triton_args[2].cpu(), triton_args[3].cpu()
+    assert torch.equal(triton_ring.view(torch.int16), step.ring.view(torch.int16))
+    for summary_cache in (step.summary_cache, triton_summary_cache.view(summary_dtype)):
         for region in (0, 1):
-            got = summary_cache[summary_slot(step, 0, region)]
-            got = (got.view(torch.float8_e4m3fn) if got.element_size() == 1 else got).float()  # fp8 as uint8
+            got = summary_cache[summary_slot(step, 0, region)].float()
             assert torch.equal(got.isnan(), nan_dims[region])
             torch.testing.assert_close(got, want[region], rtol=0, atol=0, equal_nan=True)
 
