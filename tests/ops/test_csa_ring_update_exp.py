@@ -118,8 +118,8 @@ def test_one_exp_per_step_gives_the_two_exp_fold_with_nan_and_inf_logits():
 
 @pytest.mark.parametrize("z_scale", [1.0, 30.0])
 def test_one_exp_per_step_gives_the_two_exp_fold_bitwise(z_scale):
-    """fold_region computes exp(min - max) once per step and multiplies by exactly 1 where the documented
-    fold has exp(0): same fp32 bits, before any rounding. bf16 rows with ties (equal z) and z far apart
+    """fold_region computes exp(min - max) once per step and multiplies by exp(m' - m') (exactly 1 for these
+    finite rows) where the documented fold has exp(0): same fp32 bits, before any rounding. bf16 rows with ties (equal z) and z far apart
     (rows that underflow below exp's range)."""
     z = (torch.randn(8, 4096) * z_scale).bfloat16().float()
     z[3] = z[2]  # ties: exp(0) on both sides
