@@ -446,7 +446,7 @@ def _fold_rows(k_ptr, z_ptr, out_ptr, n, BLOCK: tl.constexpr):
 
 
 @pytest.mark.parametrize("z_scale", [1.0, 30.0])
-def test_tritonfold_step_is_the_documented_fold_bitwise_in_fp32(z_scale):
+def test_triton_fold_step_is_the_documented_fold_bitwise_in_fp32(z_scale):
     """The Triton kernel's fold step, in fp32 before the bf16/fp8 rounding that hides an ulp, against the
     documented two-exp fold in numpy (``reference.fold``): equal bits, ties and underflow
     included. A changed order, an fp32 library exp or a fused multiply-add in ``fold_step`` fails here."""
