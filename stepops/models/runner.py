@@ -54,9 +54,10 @@ def capture_sizes_for(max_tokens: int) -> tuple[int, ...]:
 
 
 def _check_model_device(model: torch.nn.Module, device: torch.device) -> None:
-    """``ValueError`` naming the first parameter or buffer of ``model`` that is not on ``device`` (its type,
-    and its index when ``device`` names a GPU's): the runner's buffers and caches go there, and a model
-    elsewhere failed inside its first GEMM (or, for ``device="cuda"`` on a CPU build, with torch's assertion)."""
+    """``ValueError`` naming the first parameter or buffer of ``model`` that is not on ``device``: another
+    device type, or another GPU where ``device`` names one (``cuda:1``; plain ``cuda`` takes any). The
+    runner's buffers and caches go to ``device``, and a model elsewhere failed inside its first GEMM (or, for
+    ``device="cuda"`` on a CPU build, with torch's assertion)."""
     for name, tensor in (*model.named_parameters(), *model.named_buffers()):
         other_gpu = device.type != "cpu" and device.index not in (None, tensor.device.index)
         if tensor.device.type != device.type or other_gpu:
