@@ -118,11 +118,11 @@ def build_token_metadata(
 
 
 def reuse_token_metadata(builder: str, token: TokenMetadata, num_tokens: int) -> None:
-    """``ValueError`` unless ``token`` can be an op builder's token metadata for ``num_tokens`` tokens:
-    a :class:`TokenMetadata` of int32 ``[num_tokens]`` tensors (what :func:`build_token_metadata` returns).
-    A model step builds the token metadata once and derives every op's metadata from them."""
+    """``TypeError`` unless ``token`` is a :class:`TokenMetadata`, ``ValueError`` unless its tensors are int32
+    ``[num_tokens]`` (what :func:`build_token_metadata` returns): an op builder's token metadata. A model step
+    builds the token metadata once and derives every op's metadata from them."""
     if not isinstance(token, TokenMetadata):
-        raise ValueError(f"{builder}: token must be a TokenMetadata (build_token_metadata), got {type(token).__name__}")
+        raise TypeError(f"{builder}: token must be a TokenMetadata (build_token_metadata), got {type(token).__name__}")
     for name, tensor in zip(TokenMetadata._fields, token):
         if tensor.dtype != torch.int32 or tuple(tensor.shape) != (num_tokens,):
             raise ValueError(

@@ -128,6 +128,9 @@ _BUILDER_CASES = [
      "build_sconv_metadata: query_start_loc must be a torch.Tensor, got list"),
     (lambda: build_sconv_metadata(_Q, _S, None, 4, 16), TypeError,
      "build_sconv_metadata: block_table must be a torch.Tensor, got NoneType"),
+    # A plain tuple where a TokenMetadata goes is a wrong type, like every other argument's (was a ValueError).
+    (lambda: build_sconv_metadata(_Q, _S, torch.zeros(1, 4, dtype=I32), 4, 16, token=(_S, _S, _S)), TypeError,
+     r"build_sconv_metadata: token must be a TokenMetadata \(build_token_metadata\), got tuple"),
     # Sizes of the wrong type are a TypeError like the wrappers' ints (they were a ValueError), 0 a ValueError.
     (lambda: build_sconv_metadata(_Q, _S, torch.zeros(1, 4, dtype=I32), 4.0, 16), TypeError,
      r"build_sconv_metadata: block_size \(the cache's N, cache.shape\[2\]\) must be an int, got float"),
