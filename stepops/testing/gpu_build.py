@@ -110,9 +110,9 @@ class _Launch:
     shapes: str = "samples"
 
 
-def _record_launches(calls: tuple[OpCall, ...] = ()) -> list[_Launch]:
-    """Run every sample, then every call in ``calls``, through its op's Triton launcher, recording kernel
-    launches instead of running them."""
+def _record_launches(calls: tuple[OpCall, ...] = (), samples: bool = True) -> list[_Launch]:
+    """Run every sample (unless ``samples`` is off), then every call in ``calls``, through its op's Triton
+    launcher, recording kernel launches instead of running them."""
     from triton.runtime.jit import JITFunction
 
     from stepops._library import registered_ops
@@ -125,7 +125,9 @@ def _record_launches(calls: tuple[OpCall, ...] = ()) -> list[_Launch]:
         launches.append(_Launch(current["op"], current["launcher"], fn, args, kwargs, current["shapes"]))
 
     entries = {entry.name: entry for entry in registered_ops()}
-    every = [(name, "samples", args, kwargs) for name in entries for _, args, kwargs in op_samples(op_name=name)]
+    every = [
+        (name, "samples", args, kwargs) for name in entries if samples for _, args, kwargs in op_samples(op_name=name)
+    ]
     every += [(c.op, c.shapes, c.args, c.kwargs) for c in calls]
     original = JITFunction.run
     JITFunction.run = record
@@ -447,15 +449,26 @@ def _triton_version() -> str:
     return triton.__version__
 
 
-def build_all(calls: tuple[OpCall, ...] = ()) -> list[KernelBuild]:
-    """Compile every distinct (kernel, configuration) reached by the samples and by ``calls``, for every
-    target; one row per (shapes, configuration), a configuration compiled once."""
+def _check_can_compile() -> None:
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         raise RuntimeError("gpu_build needs a process without TRITON_INTERPRET: interpreted kernels cannot "
                            "be compiled")
     reason = unsupported_reason()
     if reason:
         raise RuntimeError(reason)
+
+
+def build_calls(calls: tuple[OpCall, ...]) -> list[KernelBuild]:
+    """Compile every kernel launch of ``calls`` alone (no samples) for every target, in launch order: a
+    test's check that given shapes or dtypes compile for a GPU at all."""
+    _check_can_compile()
+    return [_compile(launch, name, cap) for launch in _record_launches(calls, samples=False) for name, cap in TARGETS]
+
+
+def build_all(calls: tuple[OpCall, ...] = ()) -> list[KernelBuild]:
+    """Compile every distinct (kernel, configuration) reached by the samples and by ``calls``, for every
+    target; one row per (shapes, configuration), a configuration compiled once."""
+    _check_can_compile()
     seen: dict[tuple, list[str]] = {}
     launches: dict[tuple, _Launch] = {}
     for launch in _record_launches(calls):

@@ -194,13 +194,13 @@ def test_triton_kernel_compiles_for_gpus_with_every_float8_cache():
     script = textwrap.dedent("""
         import torch
         from stepops.testing import gpu_build
+        calls = []
         for dtype in (torch.float8_e4m3fnuz, torch.float8_e5m2fnuz, torch.float8_e4m3fn, torch.float8_e5m2):
             key, cache = torch.zeros(3, 2, 8, dtype=dtype), torch.zeros(4, 4, 2, 8, dtype=dtype)
             args = (key, key.clone(), cache, cache.clone(), torch.tensor([0, 5, -1], dtype=torch.int32))
-            call = gpu_build.OpCall("paged_kv_write", "fp8", args, {})
-            (launch,) = [l for l in gpu_build._record_launches((call,)) if l.shapes == "fp8"]
-            for name, capability in gpu_build.TARGETS:
-                gpu_build._compile(launch, name, capability)
+            calls.append(gpu_build.OpCall("paged_kv_write", str(dtype), args, {}))
+        builds = gpu_build.build_calls(tuple(calls))
+        assert len(builds) == len(calls) * len(gpu_build.TARGETS)  # one launch per call, every target
     """)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_DEFAULT_FP_FUSION"] = "1"
