@@ -10,10 +10,9 @@ tracing; and one small ``Autograd`` kernel runs the op below autograd (the ops h
 Why not ``torch.library.custom_op``: its Python layers (autograd, version bump, backend wrapper) cost
 14-59 us per eager call of a no-op with one of these ops' schemas (5-9 tensors) on this project's CPUs, the
 low-level path 2-5 us under ``inference_mode`` (vLLM registers its ops this way for the same reason;
-``docs/performance.md`` has the numbers). What ``custom_op`` gave
-and the low-level path keeps: the pt2-compliant tag, the fake, opcheck's four utils, auto-functionalised
-mutations under ``torch.compile``, version bumps of the mutated arguments, and an error, not a silent zero
-gradient, on backward.
+``docs/performance.md`` has the numbers). What ``custom_op`` gave and the low-level path keeps: the
+pt2-compliant tag, the fake, opcheck's four utils, auto-functionalised mutations under ``torch.compile``,
+version bumps of the mutated arguments, and an error, not a silent zero gradient, on backward.
 
 Declaring through :func:`declare_op` also records the op in a registry, so generic tests (``opcheck``,
 schema snapshots, "every op has a fake, both kernels, samples and error inputs", bad inputs) and
