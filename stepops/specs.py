@@ -15,6 +15,7 @@ Inkling conv state, MLA-style latents).
 from __future__ import annotations
 
 import dataclasses
+import enum
 from dataclasses import dataclass
 
 import torch
@@ -23,8 +24,9 @@ import torch
 def check_int(name: str, value: object, minimum: int) -> None:
     """The package's one size check (also used by :mod:`stepops.layouts` and the owners): ``TypeError``
     unless ``value`` is an int, ``ValueError`` below ``minimum``."""
-    # bool is an int subclass; a flag passed as a size is a caller bug, not 0 or 1.
-    if not isinstance(value, int) or isinstance(value, bool):
+    # bool and IntEnum are int subclasses; a flag or an enum member (InklingStream.V is 1) passed as a size
+    # is a caller bug, not 0, 1 or the member's value.
+    if not isinstance(value, int) or isinstance(value, (bool, enum.Enum)):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
     if value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")

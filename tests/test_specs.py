@@ -5,6 +5,7 @@ import dataclasses
 import pytest
 import torch
 
+from stepops.layouts import InklingStream
 from stepops.specs import CircularBufferSpec, FullAttentionSpec, SlidingWindowSpec
 
 
@@ -59,6 +60,8 @@ def test_specs_are_frozen_and_keyword_only():
         (dict(head_size=-1), ValueError, "head_size must be >= 1"),
         (dict(head_size_v=-1), ValueError, "head_size_v must be >= 0"),
         (dict(block_size=True), TypeError, "block_size must be an int, got bool"),
+        # An IntEnum member is an int too: InklingStream.V would be the size 1.
+        (dict(block_size=InklingStream.V), TypeError, "block_size must be an int, got InklingStream"),
         (dict(dtype="bfloat16"), TypeError, "dtype must be a torch.dtype, got str"),
     ],
 )
