@@ -15,6 +15,7 @@ rewrites whatever a rejected draft left in the caches.
 
 from __future__ import annotations
 
+import contextlib
 import random
 import time
 from collections.abc import Callable, Sequence
@@ -238,8 +239,18 @@ class StepRunner:
         with torch.inference_mode():
             return fn(hidden, self.buffers)
 
+    def _on_device(self) -> contextlib.AbstractContextManager:
+        """``torch.cuda.device(self.device)`` on a GPU: the Triton kernels launch on the *current* GPU (and
+        its current stream), not on their tensors' one, and so do ``_capture``'s stream and graph; a runner
+        on ``cuda:1`` while ``cuda:0`` is current would launch them on the wrong GPU."""
+        return torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
+
     def step(self, batch: Sequence[ScheduledRequest]) -> list[torch.Tensor]:
         """Run one step; return each scheduled request's outputs ``[n, hidden]`` (on the device)."""
+        with self._on_device():
+            return self._step(batch)
+
+    def _step(self, batch: Sequence[ScheduledRequest]) -> list[torch.Tensor]:
         total = self._fill_buffers(batch)
         out = self._run(self.padded_size(total))
         self.steps += 1
@@ -307,6 +318,10 @@ class StepRunner:
 
     def warm_up(self, progress: Callable[[str], None] | None = None) -> None:
         """Compile (or capture) every capture size with padding-only steps, which write nothing."""
+        with self._on_device():
+            self._warm_up(progress)
+
+    def _warm_up(self, progress: Callable[[str], None] | None) -> None:
         for size in self.capture_sizes:
             self._fill_buffers([])
             if self.mode == CUDA_GRAPH:
@@ -411,7 +426,7 @@ def run_workload(runner: StepRunner, workload: Workload, hidden_size: int) -> Wo
             outputs[i][c : c + commit] = out[:commit].cpu()
             committed[i] = c + commit
     if runner.device.type == "cuda":
-        torch.cuda.synchronize()
+        torch.cuda.synchronize(runner.device)
     result.seconds = time.perf_counter() - start_time
     result.steps = runner.steps - steps_before
     result.tokens = runner.tokens - tokens_before
