@@ -286,8 +286,14 @@ class IndexerKeyNorm(nn.Module):
 
 
 def round_to_e4m3(x: torch.Tensor) -> torch.Tensor:
-    """``x`` rounded to float8_e4m3fn (``Tensor.to``, as the reference's ``round_activations_e4m3``), in fp32."""
-    return x.to(torch.float8_e4m3fn).float()
+    """``x`` rounded to float8_e4m3fn (``Tensor.to``, as the reference's ``round_activations_e4m3``), in fp32,
+    saturating at +-448 as the summary store does.
+
+    Clamped first: torch 2.11's eager cast (the GPU machines' torch) turns |x| >= 464 into NaN, while torch
+    2.12+ and Inductor's Triton code saturate, so without the clamp eager and compiled steps, or two torch
+    releases, would disagree on an overflowing indexer query (a NaN score)."""
+    fp8_max = torch.finfo(torch.float8_e4m3fn).max
+    return x.clamp(-fp8_max, fp8_max).to(torch.float8_e4m3fn).float()
 
 
 def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:

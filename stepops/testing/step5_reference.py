@@ -123,7 +123,7 @@ def indexer_scores(
     z_regions = z[: n * REGION_SIZE].float().view(n, REGION_SIZE, dim)
     summaries = (torch.softmax(z_regions, dim=1) * k_regions).sum(1)  # per-dimension softmax over the 8 tokens
     summaries = summaries.to(torch.bfloat16).float().clamp(-_FP8_MAX, _FP8_MAX).to(_FP8).float()
-    q8 = q.to(_FP8).float().view(length, groups, per_group, dim)
+    q8 = q.clamp(-_FP8_MAX, _FP8_MAX).to(_FP8).float().view(length, groups, per_group, dim)
     dots = torch.einsum("lghd,rd->lghr", q8, summaries)
     return (dots.clamp(min=0) * w.view(length, groups, per_group, 1)).sum(2)
 
