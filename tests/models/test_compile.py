@@ -22,6 +22,7 @@ from torch._dynamo.utils import counters
 
 from stepops.models import InklingConfig, InklingModel, Step5Config, Step5Model
 from stepops.models.runner import ScheduledRequest, StepRunner
+from stepops.testing.fake_cuda import getitem_through_the_dispatcher
 
 try:  # torch >= 2.12 keeps it in torch._inductor.utils; older releases in cudagraph_utils
     from torch._inductor.utils import get_first_incompatible_cudagraph_node
@@ -330,45 +331,12 @@ def _assert_cache_within_one_row_ulp(got: torch.Tensor, want: torch.Tensor) -> N
     assert float((got != want).float().mean()) <= 0.05
 
 
-
-def _getitem_through_the_dispatcher(self, index):
-    """``Tensor.__getitem__`` as aten ops (select, slice, unsqueeze, index), for fake CUDA tensors.
-
-    On a CPU-only wheel, Python indexing of a CUDA tensor (even a fake one) fails before dispatch: the
-    binding takes a CUDA device guard, which the wheel lacks ("PyTorch is not linked with support for cuda
-    devices"). The same indexing lowered to aten ops goes through the dispatcher, where FakeTensorMode
-    handles it. Basic and advanced integer indexing only, which is all the traced code uses.
-    """
-    index = index if isinstance(index, tuple) else (index,)
-    consumed = sum(1 for i in index if i is not None and i is not Ellipsis)
-    out, dim, tensors = self, 0, {}
-    for item in index:
-        if item is Ellipsis:
-            dim += self.dim() - consumed
-        elif item is None:
-            out = out.unsqueeze(dim)
-            dim += 1
-        elif isinstance(item, (int, torch.SymInt)):
-            out = out.select(dim, item)
-        elif isinstance(item, slice):
-            out = torch.ops.aten.slice.Tensor(out, dim, item.start, item.stop, item.step or 1)
-            dim += 1
-        elif isinstance(item, torch.Tensor) and item.dtype != torch.bool:
-            tensors[dim] = item
-            dim += 1
-        else:
-            raise TypeError(f"unsupported index {item!r}")
-    if tensors:
-        out = torch.ops.aten.index.Tensor(out, [tensors.get(d) for d in range(max(tensors) + 1)])
-    return out
-
-
 def test_fake_cuda_trace_has_no_graph_break(monkeypatch):
     """Dynamo traces the CUDA code path (cuda fake tensors on a CPU-only wheel) with no graph break."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     if not torch.cuda.is_available():
-        monkeypatch.setattr(torch.Tensor, "__getitem__", _getitem_through_the_dispatcher)
+        monkeypatch.setattr(torch.Tensor, "__getitem__", getitem_through_the_dispatcher)
     for model_cls, config in ((Step5Model, Step5Config()), (InklingModel, InklingConfig())):
         # Start from a clean Dynamo: an earlier test's compile of the same forward would make the token
         # count a dynamic symbol here, and some fake-CUDA kernels do not exist on a CPU-only wheel.

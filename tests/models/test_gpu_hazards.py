@@ -18,6 +18,7 @@ import torch
 from stepops.models import InklingConfig, InklingModel, Step5Config, Step5Model
 from stepops.models.runner import StepRunner
 from stepops.models.step5 import round_to_e4m3
+from stepops.testing.fake_cuda import getitem_through_the_dispatcher
 
 
 def test_round_to_e4m3_saturates_past_the_largest_code():
@@ -33,11 +34,9 @@ def test_a_runner_on_another_gpu_steps_inside_its_device(monkeypatch, model_cls,
     device tensor (a fake one has no data) and no CPU tensor meeting a CUDA one."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from test_compile import _getitem_through_the_dispatcher
-
     if torch.cuda.is_available():
         pytest.skip("traces fake CUDA tensors on a CPU-only wheel")
-    monkeypatch.setattr(torch.Tensor, "__getitem__", _getitem_through_the_dispatcher)
+    monkeypatch.setattr(torch.Tensor, "__getitem__", getitem_through_the_dispatcher)
     current: list[torch.device] = []
     forwards: list[list[torch.device]] = []
 
