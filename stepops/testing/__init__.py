@@ -1,6 +1,7 @@
 """Test support shared by tests/ and benchmarks/: the sample registry, the opcheck policy, tolerances.
 
-Its modules also hold the models' no-cache recomputes, the dense attention oracle and the GPU-build check.
+Its modules also hold the models' no-cache recomputes, the dense attention oracle, the GPU-build check and
+the indexing that lets fake CUDA tensors run the models' CUDA path on a CPU-only wheel.
 Builds on ``stepops.ops`` and ``stepops.models``; no other module of the package imports it.
 """
 
