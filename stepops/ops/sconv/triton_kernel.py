@@ -3,8 +3,9 @@
 One launch per call: one stream, or streams adjacent in ``D`` taken as one wider stream (Inkling's K+V
 call). Program ``(t, g, b)`` owns token ``t``, heads ``[g * HEADS, (g+1) * HEADS)`` and the stream's
 channels ``[b * BLOCK_W, (b+1) * BLOCK_W)`` of each of them: it stores the token's input at its own slot
-(inside the stream's D-range) and convolves its ``W`` taps. Tiling by head keeps every load and store a contiguous run
-of one head's channels, in ``x`` and in the cache alike, so the compiler can vectorise them. The grid
+(inside the stream's D-range) and convolves its ``W`` taps. Tiling by head keeps every load and store a
+contiguous run of one head's channels, in ``x`` and in the cache alike, so the compiler can vectorise
+them. The grid
 depends only on ``T``, ``H`` and the stream width, so a step captures in a CUDA graph; all metadata are
 read on the device.
 
