@@ -21,12 +21,16 @@ from dataclasses import dataclass
 import torch
 
 
+def is_int(value: object) -> bool:
+    """A Python or symbolic int, and not a bool or an enum member: those are int subclasses, and a flag or
+    an enum member (``InklingStream.V`` is 1) passed as a size or an offset is a caller bug, not its value."""
+    return isinstance(value, (int, torch.SymInt)) and not isinstance(value, (bool, enum.Enum))
+
+
 def check_int(name: str, value: object, minimum: int) -> None:
     """The package's one size check (also used by :mod:`stepops.layouts` and the owners): ``TypeError``
-    unless ``value`` is an int, ``ValueError`` below ``minimum``."""
-    # bool and IntEnum are int subclasses; a flag or an enum member (InklingStream.V is 1) passed as a size
-    # is a caller bug, not 0, 1 or the member's value.
-    if not isinstance(value, int) or isinstance(value, (bool, enum.Enum)):
+    unless :func:`is_int`, ``ValueError`` below ``minimum``."""
+    if not is_int(value):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
     if value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")

@@ -13,6 +13,7 @@ from torch.compiler import is_dynamo_compiling
 from stepops._meta.accepted import ABSENT, AcceptedSignatures
 from stepops._meta.errors import check_errors_arg
 from stepops.layouts import REPLAY_ROWS
+from stepops.specs import is_int
 
 # uint8 means float8_e4m3fn codes, accepted beside float8 itself: torch cannot compare float8 tensors on
 # CPU (allclose/equal are not implemented), which opcheck's test_schema needs, so the samples hold bytes.
@@ -77,7 +78,7 @@ def check_csa_ring_update_args(
         raise ValueError(
             f"csa_ring_update: summary_cache must be [num_slots, {proxy_dim}], got {tuple(summary_cache.shape)}"
         )
-    if isinstance(capacity, bool) or not isinstance(capacity, (int, torch.SymInt)):
+    if not is_int(capacity):
         raise TypeError(f"csa_ring_update: capacity must be an int, got {type(capacity).__name__}")
     # The op reads up to REPLAY_ROWS rows from before the step. The layout's stricter rule, 7 + k, also keeps
     # them safe from the previous verify step's rejected drafts; the op cannot know k.

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import enum
-
 import torch
+
+from stepops.specs import is_int
 
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
@@ -33,7 +33,7 @@ def check_arg_types(
     Run before the dispatcher, which would turn a non-tensor into a ``RuntimeError`` ("Expected a value of
     type 'Tensor'"), let ``None`` through to fail as an ``AttributeError`` in the checks, and silently turn
     a bool into the int ``1``. ``tensors`` must be tensors (``errors`` is checked by the wrapper as optional),
-    ``ints`` Python (or symbolic) ints and never bools or enum members (``stream_offset=InklingStream.V``
+    ``ints`` :func:`~stepops.specs.is_int` (never bools or enum members: ``stream_offset=InklingStream.V``
     would be the offset 1, not V's), ``bools`` bools. A Python int outside int64, which
     the schema's ``SymInt`` cannot hold, is a ``ValueError`` (the dispatcher's reads "Expected a value of
     type 'int' ... found type 'int'").
@@ -42,7 +42,7 @@ def check_arg_types(
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(value).__name__}")
     for name, value in ints:
-        if isinstance(value, (bool, enum.Enum)) or not isinstance(value, (int, torch.SymInt)):
+        if not is_int(value):
             raise TypeError(f"{op}: {name} must be an int, got {type(value).__name__}")
         if type(value) is int and not _INT64_MIN <= value <= _INT64_MAX:
             raise ValueError(f"{op}: {name} = {value} does not fit in int64")

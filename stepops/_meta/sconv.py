@@ -14,6 +14,7 @@ from torch.compiler import is_dynamo_compiling
 
 from stepops._meta.accepted import ABSENT, AcceptedSignatures
 from stepops._meta.errors import check_errors_arg
+from stepops.specs import is_int
 
 _WEIGHT_DTYPES = (torch.bfloat16, torch.float32)
 _ACCEPTED = AcceptedSignatures()
@@ -74,7 +75,7 @@ def check_sconv_args(
         )
     width = channels // num_heads
     # The inferred schema types it SymInt, so traced calls may pass a torch.SymInt.
-    if not isinstance(stream_offset, (int, torch.SymInt)) or isinstance(stream_offset, bool):
+    if not is_int(stream_offset):
         raise TypeError(f"sconv: stream_offset must be an int, got {type(stream_offset).__name__}")
     if stream_offset < 0 or stream_offset + width > head_size:
         raise ValueError(

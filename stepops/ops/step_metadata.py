@@ -14,6 +14,7 @@ from typing import NamedTuple
 import torch
 
 from stepops._meta.errors import check_arg_types
+from stepops.specs import is_int
 
 
 class TokenMetadata(NamedTuple):
@@ -46,7 +47,7 @@ def check_step_lengths(builder: str, query_start_loc: torch.Tensor, seq_lens: to
     tokens in this step) are checked only where they cost no device sync: CPU tensors, outside
     ``torch.compile``. On a GPU the op's ``validate=True`` reports their consequences.
     """
-    if not isinstance(num_tokens, (int, torch.SymInt)) or isinstance(num_tokens, bool):
+    if not is_int(num_tokens):
         raise TypeError(f"{builder}: num_tokens must be an int, got {type(num_tokens).__name__}")
     if num_tokens < 0:
         raise ValueError(f"{builder}: num_tokens must be >= 0, got {num_tokens}")
