@@ -125,9 +125,11 @@ def _record_launches(calls: tuple[OpCall, ...] = (), samples: bool = True) -> li
         launches.append(_Launch(current["op"], current["launcher"], fn, args, kwargs, current["shapes"]))
 
     entries = {entry.name: entry for entry in registered_ops()}
-    every = [
-        (name, "samples", args, kwargs) for name in entries if samples for _, args, kwargs in op_samples(op_name=name)
-    ]
+    every = (
+        [(name, "samples", args, kwargs) for name in entries for _, args, kwargs in op_samples(op_name=name)]
+        if samples
+        else []
+    )
     every += [(c.op, c.shapes, c.args, c.kwargs) for c in calls]
     original = JITFunction.run
     JITFunction.run = record
