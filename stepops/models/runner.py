@@ -240,9 +240,10 @@ class StepRunner:
             return fn(hidden, self.buffers)
 
     def _on_device(self) -> contextlib.AbstractContextManager:
-        """``torch.cuda.device(self.device)`` on a GPU: the Triton kernels launch on the *current* GPU (and
-        its current stream), not on their tensors' one, and so do ``_capture``'s stream and graph; a runner
-        on ``cuda:1`` while ``cuda:0`` is current would launch them on the wrong GPU."""
+        """``torch.cuda.device(self.device)`` on a GPU: ``_capture``'s stream and graph belong to the
+        *current* GPU; a runner on ``cuda:1`` while ``cuda:0`` is current would capture on the wrong one.
+        (The ops' Triton launchers switch to their tensors' GPU themselves, ``stepops._triton``; inside this
+        guard they need not.)"""
         return torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
 
     def step(self, batch: Sequence[ScheduledRequest]) -> list[torch.Tensor]:
