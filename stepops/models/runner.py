@@ -16,6 +16,7 @@ rewrites whatever a rejected draft left in the caches.
 from __future__ import annotations
 
 import contextlib
+import math
 import random
 import time
 from collections.abc import Callable, Sequence
@@ -145,15 +146,19 @@ class StepRunner:
             "summary": torch.randperm(max_requests * summary_blocks, generator=gen).view(max_requests, summary_blocks),
             "conv": torch.randperm(num_blocks, generator=gen)[: max_requests * conv_blocks].view(max_requests, conv_blocks),
         }
-        i32 = dict(dtype=torch.int32, device=self.device)
-        self.buffers = StepBuffers(
-            query_start_loc=torch.zeros(max_requests + 1, **i32),
-            seq_lens=torch.zeros(max_requests, **i32),
-            attn_block_table=torch.full((max_requests, attn_blocks), -1, **i32),
-            ring_blocks=torch.full((max_requests,), -1, **i32),
-            summary_block_table=torch.full((max_requests, summary_blocks), -1, **i32),
-            conv_block_table=torch.full((max_requests, conv_blocks), -1, **i32),
+        # The step buffers are views of one int32 device tensor, so that a step's schedule arrives in one
+        # host -> device copy (see _fill_buffers).
+        shapes = StepBuffers(
+            query_start_loc=(max_requests + 1,),
+            seq_lens=(max_requests,),
+            attn_block_table=(max_requests, attn_blocks),
+            ring_blocks=(max_requests,),
+            summary_block_table=(max_requests, summary_blocks),
+            conv_block_table=(max_requests, conv_blocks),
         )
+        numels = [math.prod(shape) for shape in shapes]
+        self._schedule = torch.zeros(sum(numels), dtype=torch.int32, device=self.device)
+        self.buffers = StepBuffers(*(flat.view(shape) for flat, shape in zip(self._schedule.split(numels), shapes)))
         self.input_kind = inputs
         self._forward: Callable[..., torch.Tensor] = model.forward_tokens if inputs == TOKENS else model
         if inputs == TOKENS:
@@ -209,16 +214,14 @@ class StepRunner:
             rows = torch.full((r, *table.shape[1:]), -1, dtype=torch.int32)
             rows[: len(batch)] = table[slots]
             tables[name] = rows
-        b = self.buffers
-        b.query_start_loc.copy_(qsl)
-        b.seq_lens.copy_(seq_lens)
-        b.attn_block_table.copy_(tables["attn"])
-        b.ring_blocks.copy_(tables["ring"])
-        b.summary_block_table.copy_(tables["summary"])
-        b.conv_block_table.copy_(tables["conv"])
+        schedule = StepBuffers(qsl, seq_lens, tables["attn"], tables["ring"], tables["summary"], tables["conv"])
+        # Host -> device copies that do not block: a blocking one is a stream sync on a GPU (the host would
+        # wait for the previous step's kernels, once per copy). From pageable memory CUDA stages the source
+        # before the call returns, so the host tensors may be freed at once.
+        self._schedule.copy_(torch.cat([t.flatten() for t in schedule]), non_blocking=True)
         self.inputs.zero_()
         if batch:
-            self.inputs[:total].copy_(torch.cat([torch.as_tensor(s.inputs) for s in batch]).to(self.device))
+            self.inputs[:total].copy_(torch.cat([torch.as_tensor(s.inputs) for s in batch]), non_blocking=True)
         return total
 
     def _run(self, size: int) -> torch.Tensor:

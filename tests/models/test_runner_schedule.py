@@ -1,7 +1,8 @@
 """StepRunner refuses a bad schedule with a ValueError before it touches its buffers or any cache: a step
 larger than the largest capture size, a slot outside ``0..max_requests - 1`` (a negative slot indexed
 another slot's block-table row from the end and wrote that request's pages), a slot scheduled twice in one
-step, a negative start."""
+step, a negative start. A good schedule reaches the device in non-blocking copies (each blocking one is a
+stream sync on a GPU)."""
 
 from __future__ import annotations
 
@@ -58,3 +59,26 @@ def test_a_cpu_model_with_a_cuda_runner_is_refused():
     allocator; with a GPU, a device mismatch inside the first GEMM."""
     with pytest.raises(ValueError, match=r"is on cpu, the runner's device is cuda; move the model first"):
         StepRunner(InklingModel(), max_requests=2, max_model_len=32, max_tokens=8, device="cuda")
+
+
+def test_a_step_copies_its_schedule_in_one_non_blocking_copy_and_its_inputs_in_another(runner):
+    """On a GPU a blocking host -> device copy waits for every kernel queued before it: seven of them made
+    each step wait for the previous one's kernels. Recorded on CPU: the copies and their ``non_blocking``."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    copies = []
+    device_storages = {runner._schedule.untyped_storage().data_ptr(), runner.inputs.untyped_storage().data_ptr()}
+
+    class RecordCopies(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func is torch.ops.aten.copy_.default and args[0].untyped_storage().data_ptr() in device_storages:
+                copies.append((tuple(args[0].shape), kwargs.get("non_blocking", args[2] if len(args) > 2 else False)))
+            return func(*args, **kwargs)
+
+    batch = [ScheduledRequest(0, 0, _x(runner, 3)), ScheduledRequest(1, 5, _x(runner, 1))]
+    with RecordCopies():
+        runner._fill_buffers(batch)
+    assert copies == [(tuple(runner._schedule.shape), True), ((4, runner.model.config.hidden_size), True)]
+    assert runner.buffers.query_start_loc[:3].tolist() == [0, 3, 4]
+    assert runner.buffers.seq_lens[:2].tolist() == [3, 6]
