@@ -15,8 +15,9 @@ from stepops._meta.errors import check_errors_arg
 from stepops.layouts import REPLAY_ROWS
 from stepops.specs import is_int
 
-# uint8 means float8_e4m3fn codes, accepted beside float8 itself: torch cannot compare float8 tensors on
-# CPU (allclose/equal are not implemented), which opcheck's test_schema needs, so the samples hold bytes.
+# uint8 means float8_e4m3fn codes, accepted beside float8 itself: the Step5 model holds its summary caches as
+# bytes (stepops.models.step5, bind_summary_cache), and opcheck's test_schema runs fp8 samples as bytes
+# (stepops.testing.registry).
 FP8_SUMMARY_DTYPES = (torch.float8_e4m3fn, torch.uint8)
 SUMMARY_DTYPES = (torch.bfloat16, *FP8_SUMMARY_DTYPES)
 METADATA_NAMES = (

@@ -6,7 +6,14 @@ Builds on ``stepops.ops`` and ``stepops.models``; no other module of the package
 """
 
 from stepops.testing.storage import StorageSnapshot
-from stepops.testing.registry import OPCHECK_UTILS, OpErrorInput, OpSample, op_error_inputs, op_samples
+from stepops.testing.registry import (
+    OPCHECK_UTILS,
+    OpErrorInput,
+    OpSample,
+    op_error_inputs,
+    op_samples,
+    run_opcheck,
+)
 from stepops.testing.tolerances import TOLERANCES, Tolerance
 
 __all__ = [
@@ -18,4 +25,5 @@ __all__ = [
     "Tolerance",
     "op_error_inputs",
     "op_samples",
+    "run_opcheck",
 ]

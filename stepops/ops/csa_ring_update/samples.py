@@ -47,11 +47,8 @@ class CSARingStep:
     summary_block_table: torch.Tensor  # [R, max_blocks]
 
     def op_args(self) -> tuple:
-        """Arguments of ``torch.ops.stepops.csa_ring_update``, as the wrapper passes them (fp8 as bytes)."""
-        summary_cache = self.summary_cache
-        if summary_cache.dtype == torch.float8_e4m3fn:
-            summary_cache = summary_cache.view(torch.uint8)
-        return (self.index_k, self.index_z, self.ring, summary_cache, *self.metadata, self.capacity)
+        """Arguments of ``torch.ops.stepops.csa_ring_update``, as the wrapper passes them."""
+        return (self.index_k, self.index_z, self.ring, self.summary_cache, *self.metadata, self.capacity)
 
 
 def make_step(
@@ -69,7 +66,8 @@ def make_step(
     """A random step: request ``r`` brings ``query_lens[r]`` tokens and then holds ``seq_lens[r]``.
 
     Rings and summary slots hold random data (a request's earlier rows), requests get distinct, shuffled
-    ring blocks and summary blocks, and the batch ends with ``num_padding`` padding tokens.
+    ring blocks and summary blocks, and the batch ends with ``num_padding`` padding tokens. ``summary_dtype``
+    uint8 holds float8_e4m3fn codes, as the Step5 model keeps its summary caches.
     """
     rows_per_block = capacity if rows_per_block is None else rows_per_block
     num_requests = len(query_lens)
@@ -88,7 +86,10 @@ def make_step(
     num_slots = num_requests * blocks_per_request * SUMMARY_BLOCK_SIZE
     summary_block_table = torch.randperm(num_requests * blocks_per_request, generator=generator)
     summary_block_table = summary_block_table.view(num_requests, blocks_per_request)
-    summary_cache = guarded(randn(num_slots, proxy_dim).to(summary_dtype))
+    summary_cache = randn(num_slots, proxy_dim)
+    if summary_dtype == torch.uint8:
+        summary_cache = summary_cache.to(torch.float8_e4m3fn).view(torch.uint8)
+    summary_cache = guarded(summary_cache.to(summary_dtype))
 
     query_start_loc = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
     metadata = build_csa_ring_metadata(
@@ -129,9 +130,10 @@ def samples(device: torch.device) -> Iterator[SampleInput]:
         "trap_verify_first_token_closes_fp8": dict(
             query_lens=[4, 4], seq_lens=[27, 12], proxy_dim=16, capacity=10, summary_dtype=torch.float8_e4m3fn,
         ),
+        # fp8 summaries as uint8 codes, the form the Step5 model passes (the one above passes float8_e4m3fn).
         "ragged_fp8_strided": dict(
             query_lens=[9, 2, 16], seq_lens=[17, 34, 16], proxy_dim=16, capacity=9, rows_per_block=12,
-            num_padding=1, summary_dtype=torch.float8_e4m3fn,
+            num_padding=1, summary_dtype=torch.uint8,
         ),
         "step5_proxy_dim_256": dict(query_lens=[3, 8], seq_lens=[8, 24], proxy_dim=256, capacity=16),
         # An empty step (T = 0): one request with no tokens in it.

@@ -49,6 +49,12 @@ def paged_kv_write_samples(device: torch.device) -> Iterator[SampleInput]:
     # A model-sized GQA layer (8 KV heads of 128): the configuration the GPU-build check must see compiled.
     yield make("empty_t0", tokens=0, heads=2, head_size=8, head_size_v=8, num_blocks=2, block_size=4)
     yield make("model_heads_8x128", tokens=4, heads=8, head_size=128, head_size_v=128, num_blocks=2, block_size=16)
+    # fp8 KV caches, e4m3 and e5m2 (the op copies bits of any dtype). float8_e4m3fnuz/e5m2fnuz take the same
+    # one-byte copy (tests/ops/test_paged_kv_write.py); float8_e8m0fnu cannot run on CPU (no index_put for it).
+    yield make("fp8_e4m3fn_padding", tokens=4, heads=2, head_size=8, head_size_v=8, num_blocks=3, block_size=4,
+               padding=1, dtype=torch.float8_e4m3fn)
+    yield make("fp8_e5m2_page_strided", tokens=3, heads=2, head_size=8, head_size_v=8, num_blocks=3, block_size=2,
+               dtype=torch.float8_e5m2, page_stride_pad=16)
 
 
 def paged_kv_write_error_inputs(device: torch.device) -> Iterator[ErrorInput]:
