@@ -18,7 +18,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from conftest import triton_device
-from test_csa_ring_update_exp import assert_same_bits_or_both_nan, special_logits
+from csa_ring_update_helpers import assert_same_bits_or_both_nan, softmax_summary, special_logits, summary_bytes
 import triton
 import triton.language as tl
 from stepops.layouts import REGION_SIZE
@@ -36,16 +36,6 @@ _SOFTMAX_TOLERANCE = TOLERANCES["csa_ring_summary_vs_softmax"]
 # ------------------------------------------------------------------------------------------------------
 # Independent checks and helpers
 # ------------------------------------------------------------------------------------------------------
-
-
-def softmax_summary(k_rows: torch.Tensor, z_rows: torch.Tensor) -> torch.Tensor:
-    """The textbook formula in fp64: ``sum_t softmax(z, 0)_t * k_t``."""
-    return (torch.softmax(z_rows.double(), 0) * k_rows.double()).sum(0)
-
-
-def summary_bytes(summary_cache: torch.Tensor) -> torch.Tensor:
-    """Bytes of a summary cache (torch has no CPU ``equal`` for float8)."""
-    return summary_cache.view(torch.int16 if summary_cache.dtype == torch.bfloat16 else torch.uint8)
 
 
 def summary_slot(step, request: int, region: int) -> int:

@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from conftest import triton_device
+from csa_ring_update_helpers import assert_same_bits_or_both_nan, fp32_bits, special_logits
 from stepops.ops.csa_ring_update import torch_kernel
 from stepops.ops.csa_ring_update.reference import BELOW_IS_ZERO, fold, numpy_exp
 from stepops.ops.csa_ring_update.triton_kernel import exp_fp32 as triton_exp_fp32
@@ -35,10 +36,6 @@ def _inputs() -> np.ndarray:
     return np.concatenate([sampled, special, -np.arange(0, 88, dtype=_F) * _F(np.log(2))])
 
 
-def _bits(x) -> np.ndarray:
-    return np.asarray(x, dtype=_F).view(np.uint32)
-
-
 def test_numpy_reference_is_accurate():
     """The reference itself (so that the kernels matching it means something): within 1 fp32 ulp of the
     correctly rounded exp wherever it does not return 0, and exactly 1 at 0."""
@@ -47,7 +44,7 @@ def test_numpy_reference_is_accurate():
     with np.errstate(over="ignore"):
         exact = np.exp(x.astype(np.float64)).astype(_F)
     kept = x >= BELOW_IS_ZERO
-    ulps = np.abs(_bits(got[kept]).astype(np.int64) - _bits(exact[kept]).astype(np.int64))
+    ulps = np.abs(fp32_bits(got[kept]).astype(np.int64) - fp32_bits(exact[kept]).astype(np.int64))
     assert ulps.max() <= 1, x[kept][ulps.argmax()]
     assert np.all(got[~kept] == 0)
     assert numpy_exp(np.array([0.0, -0.0], dtype=_F)).tolist() == [1.0, 1.0]
@@ -56,7 +53,7 @@ def test_numpy_reference_is_accurate():
 def test_torch_kernel_exp_matches_the_reference_bitwise():
     x = _inputs()
     got = torch_kernel.exp_fp32(torch.from_numpy(x)).numpy()
-    mismatch = np.flatnonzero(_bits(got) != _bits(numpy_exp(x)))
+    mismatch = np.flatnonzero(fp32_bits(got) != fp32_bits(numpy_exp(x)))
     assert mismatch.size == 0, f"{mismatch.size} values differ, e.g. exp({x[mismatch[0]]!r})"
 
 
@@ -76,33 +73,8 @@ def test_triton_kernel_exp_matches_the_reference_bitwise():
     block = 1 << 16
     _exp_kernel[(triton.cdiv(x.size, block),)](x_device, y, x.size, BLOCK=block, enable_fp_fusion=False)
     got = y.cpu().numpy()
-    mismatch = np.flatnonzero(_bits(got) != _bits(numpy_exp(x)))
+    mismatch = np.flatnonzero(fp32_bits(got) != fp32_bits(numpy_exp(x)))
     assert mismatch.size == 0, f"{mismatch.size} values differ, e.g. exp({x[mismatch[0]]!r})"
-
-
-def special_logits(num_columns: int = 512, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """``k, z`` ``[8, num_columns]`` fp32 with NaN, ``+inf`` and ``-inf`` logits in every row and mix: one in
-    a random row per column, row 0 only, a column of ``-inf``, ``-inf`` followed by finite rows."""
-    generator = torch.Generator().manual_seed(seed)
-    z = torch.randn(8, num_columns, generator=generator).bfloat16().float()
-    k = torch.randn(8, num_columns, generator=generator).bfloat16().float()
-    rows = torch.randint(0, 8, (num_columns,), generator=generator)
-    columns = torch.arange(num_columns)
-    specials = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0])
-    z[rows, columns] = specials[columns % 4]  # one special value per column, in a random row
-    z[0, 1::16] = float("nan")
-    z[0, 2::16] = float("inf")
-    z[:, 3::16] = -float("inf")
-    z[:4, 4::16] = -float("inf")
-    return k, z
-
-
-def assert_same_bits_or_both_nan(got: np.ndarray, want: np.ndarray) -> None:
-    """Equal fp32 bits wherever ``want`` is a number, NaN exactly where it is NaN (whose payload is the
-    platform's)."""
-    nan = np.isnan(want)
-    assert np.array_equal(np.isnan(got), nan), f"NaN at {np.flatnonzero(np.isnan(got) != nan)[:8]}"
-    assert np.array_equal(_bits(got[~nan]), _bits(want[~nan]))
 
 
 def test_one_exp_per_step_gives_the_two_exp_fold_with_nan_and_inf_logits():
@@ -126,4 +98,4 @@ def test_one_exp_per_step_gives_the_two_exp_fold_bitwise(z_scale):
     k = torch.randn(8, 4096).bfloat16().float()
     got = torch_kernel.fold_region(k, z).numpy()
     want = fold(k.numpy(), z.numpy())
-    assert np.array_equal(_bits(got), _bits(want))
+    assert np.array_equal(fp32_bits(got), fp32_bits(want))

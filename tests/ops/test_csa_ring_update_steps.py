@@ -13,12 +13,12 @@ import pytest
 import torch
 
 from conftest import triton_device
+from csa_ring_update_helpers import softmax_summary, summary_bytes
 from stepops.ops.csa_ring_update import build_csa_ring_metadata, csa_ring_update
 from stepops.ops.csa_ring_update.reference import region_summary
 from stepops.ops.csa_ring_update.samples import SUMMARY_BLOCK_SIZE, bind_ring
 from stepops.ops.csa_ring_update.triton_kernel import csa_ring_update_triton
 from stepops.testing import TOLERANCES
-from test_csa_ring_update import softmax_summary, summary_bytes
 
 _SOFTMAX_TOLERANCE = TOLERANCES["csa_ring_summary_vs_softmax"]
 
