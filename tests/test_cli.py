@@ -108,13 +108,15 @@ def test_step5_page_bytes_option(capsys):
 
 
 def test_step5_partial_rows_exit_naming_the_partial_row(capsys):
+    """With --page-bytes the page does not follow from the block size: the advice names --page-bytes (it
+    said "choose the block size accordingly", which changes nothing in this mode)."""
     assert main(["layout", "step5", "--page-bytes", "10752", "--block-size", "16"]) == 1
     captured = capsys.readouterr()
     assert captured.out == ""
     first, second = captured.err.splitlines()
     assert first == (
         "Step5 CSA tail ring: a 10752-byte KV page is not a whole number of 1024-byte rows (10.5); the page "
-        "must be a multiple of 1024 bytes (choose the block size accordingly)"
+        "must be a multiple of 1024 bytes (choose --page-bytes accordingly)"
     )
     # 10752 / 16 = 672 B per token = 21 * 32: whole 1024-byte rows only at multiples of 32 tokens (21 rows).
     assert second == "smallest block size that fits at 672 B per token: 32 (page 21504 B, capacity 21 rows)"
@@ -168,7 +170,8 @@ def test_step5_block_size_whose_page_is_partial_rows_names_the_cause(capsys):
     # 20 tokens x 1152 B = 23040 B = 22.5 rows: enough rows, but not whole ones; 16 tokens fit.
     assert main(["layout", "step5", "--block-size", "20"]) == 1
     first, second = capsys.readouterr().err.splitlines()
-    assert "not a whole number of 1024-byte rows (22.5)" in first and "increase" not in first
+    assert first.endswith("not a whole number of 1024-byte rows (22.5); the page must be a multiple of 1024 "
+                          "bytes (choose the block size accordingly)")
     assert second == "smallest block size that fits at 1152 B per token: 16 (page 18432 B, capacity 18 rows)"
 
 

@@ -4,7 +4,7 @@ Without a model, prints both layouts with their defaults. The defaults are illus
 (an MLA-style Step5 main layer, a Llama-8B-shaped Inkling layer), not published configurations: pass
 your model's numbers. A flag below its minimum is one line on stderr, exit 1. When the layout does not
 fit, prints the layout's error text to stderr (the seed's, exactly, as the first line; with
-``--page-bytes`` it names that flag instead of ``--block-size``), then, for the CSA ring with a known
+``--page-bytes`` its advice names that flag instead of the block size), then, for the CSA ring with a known
 per-token size, the smallest block size that fits, and exits 1.
 """
 
@@ -28,6 +28,12 @@ from stepops.specs import AttentionSpec
 
 _ILLUSTRATIVE = "Defaults are illustrative numbers, not a published model configuration."
 _MAIN_DTYPES = ("bfloat16", "float16", "float8_e4m3fn")
+# The layout's errors advise on the block size (the seed's wording). With --page-bytes the page no longer
+# follows from --block-size, so the advice names --page-bytes instead.
+_PAGE_BYTES_ADVICE = {
+    "increase --block-size.": "increase --page-bytes.",
+    "(choose the block size accordingly)": "(choose --page-bytes accordingly)",
+}
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -147,8 +153,9 @@ def _run_step5(args: argparse.Namespace) -> int:
         layout = CSATailRingLayout(page_bytes=page_bytes, block_size=args.block_size, num_speculative_tokens=k)
     except (ValueError, TypeError) as error:
         message = str(error)  # the layout's (the seed's) text, exactly, as the first line...
-        if args.page_bytes is not None:  # ...naming the flag the user actually passed
-            message = message.replace("increase --block-size.", "increase --page-bytes.")
+        if args.page_bytes is not None:  # ...advising on the flag the user actually passed
+            for block_size_advice, page_bytes_advice in _PAGE_BYTES_ADVICE.items():
+                message = message.replace(block_size_advice, page_bytes_advice)
         print(message, file=sys.stderr)
         if isinstance(error, ValueError) and per_token is not None:
             print(f"smallest block size that fits at {per_token} B per token: {_smallest_block_size(per_token, k)}",
