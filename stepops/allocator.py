@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from stepops.specs import AttentionSpec, CircularBufferSpec
+from stepops.specs import AttentionSpec, CircularBufferSpec, check_int
 
 
 @dataclass(frozen=True)
@@ -146,10 +146,7 @@ def allocate_kv_caches(
     ``stride(0) = page_bytes / itemsize`` and calls the owner's ``bind_kv_cache``. Layers are bound in the
     context's order.
     """
-    if not isinstance(num_blocks, int) or isinstance(num_blocks, bool):
-        raise TypeError(f"num_blocks must be an int, got {type(num_blocks).__name__}")
-    if num_blocks < 1:
-        raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+    check_int("num_blocks", num_blocks, 1)
     owners = {
         name: layer
         for name, layer in static_forward_context.items()

@@ -41,6 +41,7 @@ from stepops.models import InklingConfig, InklingModel, Step5Config, Step5Model
 from stepops.models.inkling import shard_inkling_state_dict
 from stepops.models.runner import COMPILED, CUDA_GRAPH, EAGER, TOKENS, StepRunner, Workload, run_workload
 from stepops.models.tensor_parallel import spawn_ranks
+from stepops.specs import check_int
 
 WORKLOAD = Workload()
 # Factories as partials, not lambdas: the tensor-parallel ranks receive theirs pickled.
@@ -253,7 +254,8 @@ def _run_tensor_parallel(make, tp: int, dev: torch.device, backend: str) -> dict
 
 
 def check_demo_args(*, device: str, backend: str, tp: int, json_path: str | None) -> torch.device:
-    """Check the demo's arguments before any work; ``ValueError`` with a one-line reason. Returns the device.
+    """Check the demo's arguments before any work; ``ValueError`` (``TypeError`` for a ``tp`` that is not an
+    int) with a one-line reason. Returns the device.
 
     The device must exist in this torch build, the backend be a registered ``torch.compile`` backend,
     ``tp`` split the Inkling stack's KV heads into whole heads per rank and not exceed the GPUs (NCCL: one
@@ -268,8 +270,7 @@ def check_demo_args(*, device: str, backend: str, tp: int, json_path: str | None
     backends = torch._dynamo.list_backends(exclude_tags=())
     if backend not in backends:
         raise ValueError(f"--backend {backend!r} is not a torch.compile backend; e.g. inductor, aot_eager or eager")
-    if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
-        raise ValueError(f"--tp must be an int >= 1, got {tp!r}")
+    check_int("--tp", tp, 1)
     # Every layer kind's KV heads (global and, where the config has them, sliding-window) must split.
     config = InklingConfig()
     heads = math.gcd(*(getattr(config, f.name) for f in dataclasses.fields(config) if f.name.endswith("num_kv_heads")))
@@ -292,7 +293,7 @@ def run_demo(*, json_path: str | None = None, device: str = "auto", backend: str
     """Run the demo; print the table; write ``json_path``; return 0 when every check passed, else 1.
 
     ``tp > 1`` runs the Inkling stack on ``tp`` spawned ranks (eager and compiled; no CUDA-graph mode).
-    Arguments are checked first (:func:`check_demo_args`, ``ValueError``).
+    Arguments are checked first (:func:`check_demo_args`, ``ValueError`` or ``TypeError``).
     """
     dev = check_demo_args(device=device, backend=backend, tp=tp, json_path=json_path)
     modes = [EAGER, COMPILED] + ([CUDA_GRAPH] if dev.type == "cuda" else [])
@@ -398,7 +399,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def _run(args: argparse.Namespace) -> int:
     try:  # before any work: a bad argument is one line on stderr, not a traceback minutes later
         check_demo_args(device=args.device, backend=args.backend, tp=args.tp, json_path=args.json)
-    except ValueError as error:
+    except (TypeError, ValueError) as error:
         print(f"stepops demo: {error}", file=sys.stderr)
         return 2
     return run_demo(json_path=args.json, device=args.device, backend=args.backend, tp=args.tp)

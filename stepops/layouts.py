@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from stepops.specs import check_int
+from stepops.specs import check_int, is_int
 
 # One [index_k | index_z] bf16 row: (proxy_dim 256 + pooling logits 256) * 2 bytes.
 ROW_BYTES = 1024
@@ -351,8 +351,9 @@ class InklingConvStateLayout:
         indexing a tuple with an IntEnum, and this is called inside compiled layers.
         """
         as_tuple = streams if isinstance(streams, tuple) else (streams,)
-        # int() alone would take "1", 1.7 or True as V, and fail on "K" with a message naming no argument.
-        if not all(isinstance(stream, int) and not isinstance(stream, bool) for stream in as_tuple):
+        # An InklingStream, or an int by the package's one predicate: int() alone would take "1", 1.7, True or
+        # another enum's member as V, and fail on "K" with a message naming no argument.
+        if not all(isinstance(stream, InklingStream) or is_int(stream) for stream in as_tuple):
             raise TypeError(f"stream must be an InklingStream (or its int value), got {streams!r}")
         indices = [int(stream) for stream in as_tuple]
         if not indices or not all(0 <= index < len(InklingStream) for index in indices):

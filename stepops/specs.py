@@ -28,8 +28,8 @@ def is_int(value: object) -> bool:
 
 
 def check_int(name: str, value: object, minimum: int) -> None:
-    """The package's one size check (also used by :mod:`stepops.layouts` and the owners): ``TypeError``
-    unless :func:`is_int`, ``ValueError`` below ``minimum``."""
+    """The package's one size check (also used by the layouts, the owners, the allocator, the models'
+    configs and the demo): ``TypeError`` unless :func:`is_int`, ``ValueError`` below ``minimum``."""
     if not is_int(value):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
     if value < minimum:

@@ -193,6 +193,8 @@ def test_allocator_errors():
         allocate_kv_caches({}, 0)
     with pytest.raises(TypeError, match="num_blocks must be an int"):
         allocate_kv_caches({}, 2.0)
+    with pytest.raises(TypeError, match="num_blocks must be an int, got InklingStream"):
+        allocate_kv_caches({}, InklingStream.V)  # an IntEnum member was taken as 1 block
     with pytest.raises(ValueError, match="no layer with get_kv_cache_spec"):
         allocate_kv_caches({"mlp": object()}, 2)
 

@@ -13,6 +13,7 @@ import sys
 import pytest
 
 from stepops.cli import build_parser, main
+from stepops.layouts import InklingStream
 
 
 def _run(*args, cwd):
@@ -205,7 +206,7 @@ def test_layout_values_below_their_minimum_are_one_line(capsys, args, message):
     [
         (["--device", "tpu"], "--device must be auto, cpu or cuda, got 'tpu'"),
         (["--backend", "no-such-backend"], "--backend 'no-such-backend' is not a torch.compile backend"),
-        (["--tp", "0"], "--tp must be an int >= 1, got 0"),
+        (["--tp", "0"], "--tp must be >= 1, got 0"),
         (["--tp", "3"], "--tp 3: the demo's Inkling stack has 2 KV heads per layer, which do not split into 3"),
         (["--json", "/no/such/dir/out.json"], "--json /no/such/dir/out.json: not a writable file path"),
     ],
@@ -221,6 +222,15 @@ def test_demo_bad_arguments_are_one_line_before_any_work(capsys, monkeypatch, ar
     captured = capsys.readouterr()
     assert captured.out == ""
     assert captured.err.startswith(f"stepops demo: {message}") and captured.err.count("\n") == 1
+
+
+@pytest.mark.parametrize("tp", [True, InklingStream.V], ids=repr)
+def test_demo_tp_that_is_not_an_int_is_a_type_error(tp):
+    """run_demo's ``tp`` from Python: an IntEnum member was taken as its value, and True was a ValueError."""
+    from stepops.demo import check_demo_args
+
+    with pytest.raises(TypeError, match=rf"--tp must be an int, got {type(tp).__name__}"):
+        check_demo_args(device="cpu", backend="eager", tp=tp, json_path=None)
 
 
 def test_demo_cuda_without_a_gpu_is_one_line(capsys, monkeypatch):

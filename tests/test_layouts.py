@@ -4,6 +4,7 @@ Expected numbers are worked out by hand in comments or recomputed independently 
 a dense reshape of the raw buffer, a ring simulated with a dict), never read back from the code under test.
 """
 
+import enum
 import random
 
 import pytest
@@ -341,9 +342,14 @@ def test_inkling_streams_by_name():
         layout.stream_range(4)
 
 
-@pytest.mark.parametrize("bad", ["1", "K", 1.7, True, None, (InklingStream.K, "1")], ids=repr)
+class _OtherEnum(enum.IntEnum):
+    ONE = 1
+
+
+@pytest.mark.parametrize("bad", ["1", "K", 1.7, True, None, (InklingStream.K, "1"), _OtherEnum.ONE], ids=repr)
 def test_inkling_stream_range_refuses_a_stream_that_is_not_an_int(bad):
-    """``int(stream)`` took "1", 1.7 and True silently as V, and failed on "K" or None naming no argument."""
+    """``int(stream)`` took "1", 1.7 and True silently as V, and failed on "K" or None naming no argument.
+    Another IntEnum's member (value 1) was still taken as V."""
     layout = InklingConvStateLayout(num_kv_heads=2, head_dim=8, hidden_size=12, kernel_size=3)
     with pytest.raises(TypeError, match=r"stream must be an InklingStream \(or its int value\), got"):
         layout.stream_range(bad)

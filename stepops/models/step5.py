@@ -47,6 +47,7 @@ from stepops.models.moe import small_step_max_tokens
 from stepops.models.paged_attention import csa_region_scorer, paged_attention, sparse_region_attention, streaming_topk
 from stepops.ops.paged_kv_write import paged_kv_write
 from stepops.owners import PagedAttentionLayer, Step5CSATailRing
+from stepops.specs import check_int
 
 SLIDING = "sliding"
 CSA = "csa"
@@ -117,11 +118,7 @@ class Step5Config:
         for name in ("hidden_size", "num_heads", "num_kv_heads", "head_dim", "intermediate_size", "sliding_window",
                      "index_num_heads", "index_top_k", "moe_num_experts", "moe_top_k", "moe_intermediate_size",
                      "share_expert_dim"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-            if value < 1:
-                raise ValueError(f"{name} must be >= 1, got {value}")
+            check_int(name, getattr(self, name), 1)
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
         if self.index_num_heads % self.num_kv_heads:

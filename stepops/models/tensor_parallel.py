@@ -32,6 +32,8 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.multiprocessing as mp
 
+from stepops.specs import is_int
+
 # torch 2.13 has the dim-aware functional collectives as *_single and deprecates the *_tensor names (they
 # warn in eager); a release without *_single has the *_tensor names. Same signature, same graph ops.
 _reduce_scatter = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
@@ -102,9 +104,12 @@ def shard_state_dict(
     tp_size: int,
 ) -> dict[str, torch.Tensor]:
     """Rank ``tp_rank``'s shard of ``state_dict`` under ``rules`` (key -> :class:`ShardRule`, ``None`` =
-    replicated): contiguous copies, same keys. ``ValueError`` for a bad rank, a key without a rule or a
-    dimension that does not split evenly."""
-    if not isinstance(tp_rank, int) or not isinstance(tp_size, int) or not 0 <= tp_rank < tp_size:
+    replicated): contiguous copies, same keys. ``TypeError`` for a rank or size that is not an int
+    (:func:`stepops.specs.is_int`); ``ValueError`` for a bad rank, a key without a rule or a dimension that
+    does not split evenly."""
+    if not (is_int(tp_rank) and is_int(tp_size)):
+        raise TypeError(f"tp_rank and tp_size must be ints, got {type(tp_rank).__name__}, {type(tp_size).__name__}")
+    if not 0 <= tp_rank < tp_size:
         raise ValueError(f"need 0 <= tp_rank < tp_size, got tp_rank={tp_rank!r}, tp_size={tp_size!r}")
     out = {}
     for key, value in state_dict.items():

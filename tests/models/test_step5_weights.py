@@ -5,6 +5,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from stepops.layouts import InklingStream
 from stepops.models import Step5Config, Step5Model
 from stepops.models.step5 import CSA, SLIDING, STEP5_REFERENCE, Llama3RopeScaling
 from stepops.models.step5_weights import dequantize_fp8_blocks, load_step5_safetensors, load_step5_state_dict
@@ -130,6 +131,8 @@ def test_the_released_models_numbers():
         ({"layer_types": ("full",)}, ValueError, "layer_types must be"),
         ({"swiglu_limit": 0.0}, ValueError, "swiglu limits"),
         ({"head_dim": 16.0}, TypeError, "head_dim must be an int"),
+        # an IntEnum member was taken as its value (ATTN_OUT: 2)
+        ({"index_top_k": InklingStream.ATTN_OUT}, TypeError, "index_top_k must be an int, got InklingStream"),
         ({"index_top_k": 0}, ValueError, "index_top_k must be >= 1"),
         # a sliding layer ropes the whole head in NEOX halves: an odd head failed mid-step (shape mismatch)
         ({"head_dim": 9}, ValueError, r"head_dim \(9\) must be even"),

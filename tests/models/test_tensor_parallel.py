@@ -272,6 +272,9 @@ def test_shard_state_dict_slices_by_hand():
         shard_state_dict({"fused": torch.zeros(6, 1)}, {"fused": ShardRule(0, parts=2)}, tp_rank=0, tp_size=2)
     with pytest.raises(ValueError, match="no sharding rule for 'extra'"):
         shard_state_dict({**state, "extra": torch.zeros(2)}, rules, tp_rank=0, tp_size=2)
+    for rank, size in ((False, 2), (0, InklingStream.ATTN_OUT)):  # were taken as rank 0 and size 2
+        with pytest.raises(TypeError, match="tp_rank and tp_size must be ints"):
+            shard_state_dict(state, rules, tp_rank=rank, tp_size=size)
     with pytest.raises(ValueError, match="need 0 <= tp_rank < tp_size, got tp_rank=-1"):
         shard_state_dict(state, rules, tp_rank=-1, tp_size=2)
 
