@@ -10,7 +10,9 @@ derives every per-token tensor on the device.
 
 :func:`run_workload` drives many requests through prefill chunks, plain decode and verify steps with
 random rejections. Rollback needs no undo: the next step's positions count only accepted tokens, so it
-rewrites whatever a rejected draft left in the caches.
+rewrites whatever a rejected draft left in the caches. A Step5 model's CSA rings bound how far back
+(``Step5Model.max_rollback``, at least ``num_speculative_tokens``); a step that starts further back is a
+``ValueError`` (its region replays would read rows a rejected draft overwrote).
 """
 
 from __future__ import annotations
@@ -171,6 +173,9 @@ class StepRunner:
         if mode == COMPILED:
             self._compiled = torch.compile(self._forward, backend=compile_backend, fullgraph=True)
         self.token_ranges = token_ranges_for(model, self.capture_sizes[-1])
+        # Per slot: one past the furthest position its request has fed since it started at 0 (rollback check).
+        self._max_rollback: int | None = getattr(model, "max_rollback", None)
+        self._fed = [0] * max_requests
         self.steps = 0
         self.tokens = 0
 
@@ -201,6 +206,13 @@ class StepRunner:
             seen.add(s.slot)
             if s.start < 0:
                 raise ValueError(f"request slot {s.slot}: start must be >= 0, got {s.start}")
+            back = self._fed[s.slot] - s.start
+            if s.start > 0 and self._max_rollback is not None and back > self._max_rollback:
+                raise ValueError(
+                    f"request slot {s.slot}: start {s.start} steps back {back} positions from {self._fed[s.slot]}, the "
+                    f"furthest its steps have fed; the model's CSA rings keep {self._max_rollback} (a verify step may "
+                    "carry at most num_speculative_tokens drafts); restart the request at 0"
+                )
         qsl = torch.full((r + 1,), total, dtype=torch.int32)
         qsl[: len(batch) + 1] = torch.tensor([0] + lens, dtype=torch.int32).cumsum(0)
         seq_lens = torch.zeros(r, dtype=torch.int32)
@@ -214,6 +226,8 @@ class StepRunner:
             rows = torch.full((r, *table.shape[1:]), -1, dtype=torch.int32)
             rows[: len(batch)] = table[slots]
             tables[name] = rows
+        for s, n in zip(batch, lens):
+            self._fed[s.slot] = s.start + n if s.start == 0 else max(self._fed[s.slot], s.start + n)
         schedule = StepBuffers(qsl, seq_lens, tables["attn"], tables["ring"], tables["summary"], tables["conv"])
         # Host -> device copies that do not block: a blocking one is a stream sync on a GPU (the host would
         # wait for the previous step's kernels, once per copy). From pageable memory CUDA stages the source

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from stepops.allocator import KVCaches, allocate_kv_caches
-from stepops.layouts import REGION_SIZE, smallest_block_size
+from stepops.layouts import REGION_SIZE, REPLAY_ROWS, smallest_block_size
 from stepops.models.metadata import (
     StepBuffers,
     Step5StepMetadata,
@@ -619,6 +619,21 @@ class Step5Model(nn.Module):
         if not rings:
             return 1  # no CSA layer: the ring metadata is built with the others but never read
         return common_size("CSA ring rows_per_block", rings)
+
+    @property
+    def max_rollback(self) -> int | None:
+        """The most positions a request's step may start before the furthest position its earlier steps fed
+        (a verify step's rejected drafts), ``None`` without CSA layers (no limit).
+
+        A region's closing token replays the 7 ring rows before its step, and the ring keeps ``capacity``
+        rows: a step that went further than ``capacity - 7`` positions past the next step's start overwrote
+        one of them. At least ``num_speculative_tokens`` (the layout's ``capacity >= 7 + k``); ``ValueError``
+        when a ring is unbound or the rings differ (:func:`common_size`).
+        """
+        rings = {layer.csa_ring.layer_name: layer.csa_ring.capacity for layer in self.layers if layer.kind == CSA}
+        if not rings:
+            return None
+        return common_size("CSA ring capacity", rings) - REPLAY_ROWS
 
     def build_metadata(self, buffers: StepBuffers, num_tokens: int) -> Step5StepMetadata:
         return build_step5_metadata(

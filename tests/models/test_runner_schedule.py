@@ -1,15 +1,15 @@
 """StepRunner refuses a bad schedule with a ValueError before it touches its buffers or any cache: a step
 larger than the largest capture size, a slot outside ``0..max_requests - 1`` (a negative slot indexed
 another slot's block-table row from the end and wrote that request's pages), a slot scheduled twice in one
-step, a negative start. A good schedule reaches the device in non-blocking copies (each blocking one is a
-stream sync on a GPU)."""
+step, a negative start, a Step5 step further back than its CSA rings keep. A good schedule reaches the device
+in non-blocking copies (each blocking one is a stream sync on a GPU)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from stepops.models import InklingModel
+from stepops.models import InklingModel, Step5Config, Step5Model
 from stepops.models.runner import ScheduledRequest, StepRunner
 from stepops.testing.storage import StorageSnapshot
 
@@ -45,6 +45,25 @@ def test_a_bad_schedule_is_refused_before_anything_is_written(runner, make_batch
     with pytest.raises(ValueError, match=match):
         runner.step(batch)
     assert snapshot.changed_bytes() == 0
+
+
+def test_a_step5_step_further_back_than_the_csa_rings_keep_is_refused():
+    """A step of 8 tokens at 11 (7 drafts against k = 3) stored position 18 in ring row 8 (capacity 10 =
+    7 + k); with 3 accepted, the next step at 15 closes region 1 and would replay position 8 from that row.
+    Before: accepted, and later outputs differed from the step5_reference oracle. Stepping back
+    ``max_rollback`` (3) and restarting at 0 are accepted."""
+    torch.manual_seed(0)
+    model = Step5Model(Step5Config(layer_types=("csa",), moe_layers=()))
+    runner = StepRunner(model, max_requests=1, max_model_len=32, max_tokens=16, device="cpu")
+    assert model.max_rollback == 3
+    runner.step([ScheduledRequest(0, 0, _x(runner, 11))])
+    runner.step([ScheduledRequest(0, 11, _x(runner, 8))])
+    snapshot = StorageSnapshot([*model.cache_tensors(), *runner.buffers, runner.inputs])
+    with pytest.raises(ValueError, match=r"slot 0: start 15 steps back 4 positions from 19, .* CSA rings keep 3"):
+        runner.step([ScheduledRequest(0, 15, _x(runner, 1))])
+    assert snapshot.changed_bytes() == 0
+    runner.step([ScheduledRequest(0, 16, _x(runner, 1))])
+    runner.step([ScheduledRequest(0, 0, _x(runner, 3))])
 
 
 def test_a_model_on_another_device_is_refused_naming_the_parameter():
