@@ -38,6 +38,7 @@ way. Both caches hold only the rank's KV heads; each output-stream conv runs on 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import Any
@@ -61,6 +62,7 @@ from stepops.models.tensor_parallel import (
 )
 from stepops.ops.paged_kv_write import paged_kv_write
 from stepops.owners import InklingConvState, PagedAttentionLayer
+from stepops.specs import check_int, is_int
 
 SLIDING = "sliding"
 GLOBAL = "global"
@@ -77,6 +79,9 @@ class InklingConfig:
     ``mlp_layer_types`` ``None`` makes every layer sparse (transformers' default). ``block_size`` is the
     attention KV cache's declared block size (the allocator may enlarge it). ``num_speculative_tokens`` (k,
     not a transformers setting): a verify step's k + 1 tokens of a request share one read of each KV page.
+
+    Checks: every int field is an int (``TypeError``), used or not; values (``ValueError``) only where the
+    layer and MLP kinds in use read them, accepting what transformers builds and the conv-state cache holds.
     """
 
     vocab_size: int = 128
@@ -119,20 +124,31 @@ class InklingConfig:
                 f"mlp_layer_types must give {DENSE!r} or {SPARSE!r} for each of the {len(self.layer_types)} layers, "
                 f"got {self.mlp_layer_types}"
             )
-        # Only the layer kinds in use are checked (transformers builds only those: an all-global model's
-        # swa_* and sliding_window, or an all-sliding model's global geometry and rel_extent, are unused).
+        # Every int field is an int, used or not, as transformers' strict InklingTextConfig requires (it refuses
+        # a float, bool or str anywhere; stepops refuses enum members too): an int-valued float passes the value
+        # checks below and fails later, mid-build or mid-step.
+        for field in dataclasses.fields(self):
+            value, optional = getattr(self, field.name), field.type == "int | None"
+            if field.type in ("int", "int | None") and not (is_int(value) or optional and value is None):
+                or_none = " or None" if optional else ""
+                raise TypeError(f"{field.name} must be an int{or_none}, got {type(value).__name__}")
+        # Values only for the layer and MLP kinds in use (transformers builds only those: an all-global model's
+        # swa_* and sliding_window, or an all-sliding model's global geometry and rel_extent, are unused), and
+        # at transformers' own minimums: it builds and runs zero-width relative states and MLPs.
         kinds = set(self.layer_types)
-        used = {
-            SLIDING: ("swa_num_heads", "swa_num_kv_heads", "swa_head_dim", "sliding_window"),
-            GLOBAL: ("num_heads", "num_kv_heads", "head_dim", "rel_extent"),
-        }
-        names = ["vocab_size", "hidden_size", "conv_kernel_size", "block_size"]
-        names += [name for kind in (SLIDING, GLOBAL) if kind in kinds for name in used[kind]]
-        for name in names:
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.num_speculative_tokens < 0:
-            raise ValueError(f"num_speculative_tokens must be >= 0, got {self.num_speculative_tokens}")
+        minimums = dict(
+            vocab_size=1, hidden_size=1, conv_kernel_size=1, block_size=1, d_rel=0, num_speculative_tokens=0
+        )
+        if SLIDING in kinds:
+            minimums.update(swa_num_heads=1, swa_num_kv_heads=1, swa_head_dim=1, sliding_window=1)
+        if GLOBAL in kinds:
+            minimums.update(num_heads=1, num_kv_heads=1, head_dim=1, rel_extent=1)
+        if DENSE in self.mlp_layer_types:
+            minimums.update(intermediate_size=0)
+        if SPARSE in self.mlp_layer_types:  # its expert counts are checked below
+            minimums.update(moe_intermediate_size=0)
+        for name, minimum in minimums.items():
+            check_int(name, getattr(self, name), minimum)
         if not self.rms_norm_eps >= 0:
             raise ValueError(f"rms_norm_eps must be >= 0, got {self.rms_norm_eps}")
         if GLOBAL in kinds and self.log_scaling_n_floor is not None and self.log_scaling_n_floor < 1:

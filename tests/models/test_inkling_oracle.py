@@ -30,8 +30,9 @@ from torch._dynamo.utils import counters
 from safetensors.torch import load_file, save_file
 from transformers import InklingForCausalLM, InklingTextConfig  # the test extra pins 5.23.0
 
-from stepops.models.inkling import InklingConfig, InklingRMSNorm
-from stepops.models.inkling_checkpoint import load_inkling
+from stepops.layouts import InklingStream
+from stepops.models.inkling import InklingConfig, InklingModel, InklingRMSNorm
+from stepops.models.inkling_checkpoint import config_from_transformers, load_inkling
 from stepops.testing.dense_attention import masked_attention
 from stepops.testing.inkling_reference import inkling_layer_reference
 from stepops.models.runner import COMPILED, EAGER, TOKENS, ScheduledRequest, StepRunner
@@ -273,11 +274,37 @@ def test_release_style_config_names_load_as_transformers_reads_them(checkpoint, 
         (dict(num_speculative_tokens=-1), r"num_speculative_tokens must be >= 0, got -1"),
         (dict(log_scaling_n_floor=0), r"log_scaling_n_floor must be None \(no log scaling\) or >= 1, got 0"),
         (dict(rms_norm_eps=-1e-6), r"rms_norm_eps must be >= 0"),
+        # were accepted: transformers cannot build a negative width either (a RuntimeError at model build)
+        (dict(d_rel=-1), r"d_rel must be >= 0, got -1"),
+        (dict(mlp_layer_types=("dense", "sparse"), intermediate_size=-1), r"^intermediate_size must be >= 0, got -1"),
+        (dict(moe_intermediate_size=-1), r"moe_intermediate_size must be >= 0, got -1"),
     ],
 )
 def test_bad_inkling_configs_are_value_errors(kwargs, message):
     with pytest.raises(ValueError, match=message):
         InklingConfig(**kwargs)
+
+
+INT_FIELDS = (
+    "vocab_size", "unpadded_vocab_size", "hidden_size", "num_heads", "num_kv_heads", "head_dim", "swa_num_heads",
+    "swa_num_kv_heads", "swa_head_dim", "intermediate_size", "moe_intermediate_size", "n_routed_experts",
+    "num_experts_per_tok", "n_shared_experts", "conv_kernel_size", "sliding_window", "d_rel", "rel_extent",
+    "log_scaling_n_floor", "block_size", "num_speculative_tokens",
+)
+
+
+@pytest.mark.parametrize(
+    "name, value",
+    # An int-valued float in every int field (used or not: transformers' strict config refuses it anywhere);
+    # were accepted: the value checks passed 2.0, and an unused field was never read. Then each other kind.
+    [(name, 2.0) for name in INT_FIELDS]
+    + [(name, value) for name in ("hidden_size", "unpadded_vocab_size", "intermediate_size")
+       for value in (True, "2", InklingStream.ATTN_OUT)],
+    ids=lambda arg: arg if isinstance(arg, str) and arg in INT_FIELDS else type(arg).__name__,
+)
+def test_inkling_int_fields_refuse_other_types(name, value):
+    with pytest.raises(TypeError, match=rf"^{name} must be an int( or None)?, got {type(value).__name__}$"):
+        InklingConfig(**{name: value})
 
 
 # -- fp32, no cache -----------------------------------------------------------------------------------
@@ -575,6 +602,32 @@ def test_small_steps_run_only_the_chosen_experts_and_equal_transformers(tmp_path
     _steps_equal_transformers_in_bf16(checkpoint, hf16, hf32)
     assert taken and set(taken) <= {2, 4}, taken  # (T = 1 never: the runner pads a lone token to 2)
     assert len(taken) >= 2 * 4, f"{len(taken) // 2} small steps (two sparse layers each)"
+
+
+# Configs transformers builds at the edges of stepops' value checks: zero-width relative states and MLPs (which
+# transformers also runs; its grouped-GEMM experts refuse zero width on CPU, its eager ones do not), and any
+# int in the fields of an MLP kind no layer uses.
+EDGE_CONFIGS = {
+    "zero_widths": dict(d_rel=0, intermediate_size=0, moe_intermediate_size=0),
+    "all_sparse_unused_dense_width": dict(mlp_layer_types=["sparse"] * 3, intermediate_size=-5),
+    "all_dense_unused_experts": dict(
+        mlp_layer_types=["dense"] * 3, moe_intermediate_size=-5, n_routed_experts=-1, num_experts_per_tok=-2,
+        n_shared_experts=-1,
+    ),
+}
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [{}, *CONFIG_VARIANTS.values(), SMALL_STEP_CONFIG, *EDGE_CONFIGS.values()],
+    ids=["oracle", *CONFIG_VARIANTS, "small_step", *EDGE_CONFIGS],
+)
+def test_configs_transformers_builds_stepops_builds(edit):
+    """The oracle tests' configs and the edge cases above: transformers builds the model, and so does stepops
+    from transformers' config dict (what ``save_pretrained`` writes)."""
+    hf_config = _hf_config({**HF_CONFIG, **edit})
+    InklingForCausalLM(hf_config)
+    InklingModel(config_from_transformers(hf_config.to_dict()))
 
 
 # -- greedy generation ------------------------------------------------------------------------------------
