@@ -134,6 +134,15 @@ def test_the_released_models_numbers():
         # an IntEnum member was taken as its value (ATTN_OUT: 2)
         ({"index_top_k": InklingStream.ATTN_OUT}, TypeError, "index_top_k must be an int, got InklingStream"),
         ({"index_top_k": 0}, ValueError, "index_top_k must be >= 1"),
+        # were accepted: 256.0 passed the == 256 check, 32.0 the even-and-in-range one; k failed only when the
+        # block size was asked for; a str rope dim was a TypeError from string formatting that named no field
+        ({"index_proxy_dim": 256.0}, TypeError, "index_proxy_dim must be an int, got float"),
+        ({"index_rope_dim": 32.0}, TypeError, "index_rope_dim must be an int, got float"),
+        ({"index_rope_dim": "32"}, TypeError, "index_rope_dim must be an int, got str"),
+        ({"index_rope_dim": 0}, ValueError, "index_rope_dim must be >= 2, got 0"),
+        ({"num_speculative_tokens": True}, TypeError, "num_speculative_tokens must be an int, got bool"),
+        ({"num_speculative_tokens": InklingStream.V}, TypeError, "num_speculative_tokens must be an int, got InklingStream"),
+        ({"num_speculative_tokens": -1}, ValueError, "num_speculative_tokens must be >= 0, got -1"),
         # a sliding layer ropes the whole head in NEOX halves: an odd head failed mid-step (shape mismatch)
         ({"head_dim": 9}, ValueError, r"head_dim \(9\) must be even"),
         ({"rms_norm_eps": -1e-6}, ValueError, r"rms_norm_eps must be >= 0"),  # was accepted: NaN outputs
