@@ -46,8 +46,8 @@ def paged_kv_write_samples(device: torch.device) -> Iterator[SampleInput]:
                block_size=4, dtype=torch.float32, key_from_fused=True)
     yield make("all_padding_fp16", tokens=3, heads=2, head_size=4, head_size_v=4, num_blocks=2, block_size=4,
                padding=3, dtype=torch.float16)
-    # A model-sized GQA layer (8 KV heads of 128): the configuration the GPU-build check must see compiled.
     yield make("empty_t0", tokens=0, heads=2, head_size=8, head_size_v=8, num_blocks=2, block_size=4)
+    # A model-sized GQA layer (8 KV heads of 128): the configuration the GPU-build check must see compiled.
     yield make("model_heads_8x128", tokens=4, heads=8, head_size=128, head_size_v=128, num_blocks=2, block_size=16)
     # fp8 KV caches, e4m3 and e5m2 (the op copies bits of any dtype). float8_e4m3fnuz/e5m2fnuz take the same
     # one-byte copy (tests/ops/test_paged_kv_write.py); float8_e8m0fnu cannot run on CPU (no index_put for it).
