@@ -6,7 +6,7 @@ conversion mapping: ``model.llm.*``, ``attn.wq_du``, fused gate/up ``w13`` weigh
 and under its module names with ``save_original_format=False`` (``model.language_model.*``). Both load;
 the vision and audio towers (and MTP layers) are out of scope and skipped with one warning; anything else
 unknown or missing stays an error. The text decoder is the oracle test's tiny config
-(``test_inkling_oracle.HF_CONFIG``), so the same fp32 bound applies to the logits.
+(``inkling_oracle_helpers.HF_CONFIG``), so the same fp32 bound applies to the logits.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import warnings
 import pytest
 import torch
 
+from inkling_oracle_helpers import FP32_LAYER, HF_CONFIG, VOCAB, randomize_parameters, single_file_copy
 from safetensors import safe_open
-from test_inkling_oracle import FP32_LAYER, HF_CONFIG, VOCAB, randomize_parameters, single_file_copy
 from transformers import InklingConfig, InklingForConditionalGeneration  # the test extra pins 5.23.0
 
 from stepops.models.inkling import split_kv

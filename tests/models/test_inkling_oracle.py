@@ -27,7 +27,7 @@ import torch
 import torch._dynamo.testing
 from torch._dynamo.utils import counters
 
-from safetensors.torch import load_file, save_file
+from inkling_oracle_helpers import FP32_LAYER, HF_CONFIG, VOCAB, randomize_parameters, single_file_copy
 from transformers import InklingForCausalLM, InklingTextConfig  # the test extra pins 5.23.0
 
 from stepops.layouts import InklingStream
@@ -37,43 +37,6 @@ from stepops.testing.dense_attention import masked_attention
 from stepops.testing.inkling_reference import inkling_layer_reference
 from stepops.models.runner import COMPILED, EAGER, TOKENS, ScheduledRequest, StepRunner
 
-VOCAB = 128
-HF_CONFIG = dict(
-    vocab_size=VOCAB,
-    unpadded_vocab_size=120,
-    hidden_size=64,
-    num_hidden_layers=3,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    swa_num_attention_heads=4,
-    swa_num_key_value_heads=1,
-    swa_head_dim=8,
-    sliding_window_size=8,
-    d_rel=4,
-    rel_extent=12,
-    log_scaling_n_floor=4,
-    log_scaling_alpha=0.3,
-    layer_types=["hybrid_sliding", "hybrid", "hybrid_sliding"],
-    mlp_layer_types=["dense", "sparse", "sparse"],
-    intermediate_size=96,
-    moe_intermediate_size=32,
-    n_routed_experts=4,
-    num_experts_per_tok=2,
-    n_shared_experts=2,
-    route_scale=2.0,
-    logits_mup_width_multiplier=2.0,
-    conv_kernel_size=4,
-    eos_token_id=None,
-    bos_token_id=None,
-    pad_token_id=0,
-)
-# fp32 layers that differ from transformers only in summation order: GEMMs blocked differently for a
-# different number of rows (each routed expert runs on all tokens here, on its chosen ones there) and SDPA
-# vs matmul attention. Each rounds a sum of <= 96 terms a few fp32 ulps (2**-24 relative) differently,
-# and the layer's norms and softmax pass that on; seen over 5 input seeds: <= 2**-20.6 of the layer's (or
-# the logits') largest value, so 2**-18 leaves 5x. A wrong part is off by >= 1e-2 of it.
-FP32_LAYER = 2**-18
 # Two bf16 implementations round at different places (transformers: bf16 scores and bf16 expert sums;
 # stepops: fp32 attention), so stepops' bf16 error to the fp32 truth is of the size of transformers' own,
 # not equal to it; twice transformers' error on the same tokens bounds it (seen: <= 1.25x, max and RMS).
@@ -86,22 +49,6 @@ MAX_NEAR_TIE_FRACTION = 1 / 4
 
 def _hf_config(config: dict = HF_CONFIG) -> InklingTextConfig:
     return InklingTextConfig(**config)
-
-
-def randomize_parameters(model: torch.nn.Module) -> None:
-    """Random weights for a transformers Inkling (text or multimodal), including those it sets to constants."""
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name or "global_scale" in name:
-                param.normal_(1.0, 0.2)
-            elif "sconv" in name:
-                param.normal_(0.0, 0.3)
-            elif name == "lm_head.weight" or "rel_logits_proj" in name:
-                param.normal_(0.0, 1.0)  # peaked logits (greedy choices bf16 cannot flip); an O(1) bias
-            else:
-                # Unit-gain projections (transformers' std 0.02 makes every sublayer a small correction to
-                # the residual, too small next to bf16 rounding for the bf16 test to see a wrong part).
-                param.normal_(0.0, param.shape[-1] ** -0.5)
 
 
 def _save(path, correction_bias, config: dict = HF_CONFIG):
@@ -161,24 +108,6 @@ def _layer_io(hf, ids: torch.Tensor) -> tuple[list[tuple[torch.Tensor, torch.Ten
 
 
 # -- loading ---------------------------------------------------------------------------------------------
-
-
-def single_file_copy(checkpoint, tmp_path, edit=None, config_edit=None):
-    """The checkpoint (sharded or not) as one ``model.safetensors`` (``edit`` may change its tensors,
-    ``config_edit`` its config)."""
-    index = checkpoint / "model.safetensors.index.json"
-    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else ["model.safetensors"]
-    tensors = {}
-    for name in files:
-        tensors.update(load_file(checkpoint / name))
-    if edit:
-        edit(tensors)
-    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
-    config = json.loads((checkpoint / "config.json").read_text())
-    if config_edit:
-        config_edit(config)
-    (tmp_path / "config.json").write_text(json.dumps(config))
-    return tmp_path
 
 
 def test_one_file_loads_like_the_shards(checkpoint, tmp_path):
