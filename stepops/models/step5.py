@@ -47,7 +47,7 @@ from stepops.models.moe import small_step_max_tokens
 from stepops.models.paged_attention import csa_region_scorer, paged_attention, sparse_region_attention, streaming_topk
 from stepops.ops.paged_kv_write import paged_kv_write
 from stepops.owners import PagedAttentionLayer, Step5CSATailRing
-from stepops.specs import check_int
+from stepops.specs import check_int, is_int
 
 SLIDING = "sliding"
 CSA = "csa"
@@ -69,8 +69,9 @@ class Llama3RopeScaling:
     original_max_position_embeddings: int
 
     def __post_init__(self) -> None:
-        if not (self.factor > 0 and self.original_max_position_embeddings > 0):
-            raise ValueError(f"llama3 rope scaling needs factor > 0 and original_max_position_embeddings > 0: {self}")
+        check_int("original_max_position_embeddings", self.original_max_position_embeddings, 1)
+        if not self.factor > 0:
+            raise ValueError(f"llama3 rope scaling needs factor > 0: {self}")
         if not 0 < self.low_freq_factor < self.high_freq_factor:
             raise ValueError(f"llama3 rope scaling needs 0 < low_freq_factor < high_freq_factor: {self}")
 
@@ -154,6 +155,8 @@ class Step5Config:
             raise ValueError(
                 f"head_dim ({self.head_dim}) must be even: sliding layers rotate the whole head in NEOX halves"
             )
+        if not all(is_int(i) for i in self.moe_layers):  # True or 1.0 would be taken as layer 1
+            raise TypeError(f"moe_layers must hold int layer indices, got {self.moe_layers}")
         if len(set(self.moe_layers)) != len(self.moe_layers) or any(
             not 0 <= i < len(self.layer_types) for i in self.moe_layers
         ):

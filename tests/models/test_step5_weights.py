@@ -127,6 +127,7 @@ def test_the_released_models_numbers():
         ({"index_rope_dim": 33}, ValueError, "index_rope_dim must be even"),
         ({"csa_partial_rotary_factor": 0.05}, ValueError, "rotate at least 2"),
         ({"moe_layers": (2,)}, ValueError, "moe_layers must be distinct layer indices < 2"),
+        ({"moe_layers": (True,)}, TypeError, "moe_layers must hold int layer indices"),
         ({"moe_top_k": 5}, ValueError, "exceeds moe_num_experts"),
         ({"layer_types": ("full",)}, ValueError, "layer_types must be"),
         ({"swiglu_limit": 0.0}, ValueError, "swiglu limits"),
@@ -156,9 +157,19 @@ def test_bad_configs_are_clear_errors(kwargs, error, match):
         Step5Config(**kwargs)
 
 
-def test_bad_llama3_scaling_is_an_error():
-    with pytest.raises(ValueError, match="low_freq_factor < high_freq_factor"):
-        Llama3RopeScaling(factor=2.0, low_freq_factor=4.0, high_freq_factor=1.0, original_max_position_embeddings=64)
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        ({"low_freq_factor": 4.0, "high_freq_factor": 1.0}, ValueError, "low_freq_factor < high_freq_factor"),
+        ({"factor": 0.0}, ValueError, "factor > 0"),
+        ({"original_max_position_embeddings": 0}, ValueError, "original_max_position_embeddings must be >= 1"),
+        ({"original_max_position_embeddings": 64.5}, TypeError, "original_max_position_embeddings must be an int"),
+    ],
+)
+def test_bad_llama3_scaling_is_an_error(kwargs, error, match):
+    good = dict(factor=2.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=64)
+    with pytest.raises(error, match=match):
+        Llama3RopeScaling(**{**good, **kwargs})
 
 
 def test_summary_cache_binding_checks():
