@@ -1,5 +1,7 @@
 """``stepops::paged_kv_write``: its per-token reference, poisoned caches, the Triton kernel bitwise."""
 
+import math
+
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -161,21 +163,33 @@ def test_a_cache_with_block_size_zero_is_a_value_error_not_a_zero_division(mode)
                 paged_kv_write(*(fake_mode.from_tensor(a) for a in args))
 
 
-_BIT_COPY_DTYPES = [torch.bool, torch.float16, torch.float64, torch.complex64, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz]
+_BIT_COPY_DTYPES = [
+    torch.bool, torch.float16, torch.float64, torch.complex64, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz,
+    torch.float8_e8m0fnu, torch.float4_e2m1fn_x2, torch.uint16, torch.uint32, torch.uint64, torch.bits16,
+]  # fmt: skip
+
+
+def _random_bits(dtype: torch.dtype, *shape: int) -> torch.Tensor:
+    """Random bytes viewed as ``dtype`` (valid bools only), for dtypes that ``randn`` cannot make."""
+    size = math.prod(shape) * dtype.itemsize
+    return torch.randint(0, 2 if dtype == torch.bool else 256, (size,), dtype=torch.uint8).view(dtype).view(shape)
 
 
 @pytest.mark.parametrize("dtype", _BIT_COPY_DTYPES, ids=str)
-def test_triton_kernel_copies_the_bits_of_any_dtype(dtype):
-    """The op copies bits, whatever the dtype: complex64 (no Triton type) failed in the Triton kernel."""
-    key = torch.randn(3, 2, 8).to(dtype) if dtype != torch.complex64 else torch.randn(3, 2, 8, dtype=dtype)
-    value, slots = key.flip(0), torch.tensor([5, -1, 0], dtype=torch.int32)
-    caches = [torch.zeros(2, 4, 2, 8, dtype=dtype) for _ in range(4)]
-    torch.ops.stepops.paged_kv_write(key, value, caches[0], caches[1], slots)
-    device = triton_device()
-    got = [c.to(device) for c in caches[2:]]
-    paged_kv_write_triton(key.to(device), value.to(device), *got, slots.to(device))
-    bits = {1: torch.uint8, 2: torch.int16, 8: torch.int64}[key.element_size()]
-    assert all(torch.equal(g.cpu().view(bits), w.view(bits)) for g, w in zip(got, caches[:2]))
+def test_both_kernels_copy_the_bits_of_any_dtype(dtype):
+    """The op copies bits, whatever the dtype: complex64 (no Triton type) failed in the Triton kernel, and
+    uint16-64, float8_e8m0fnu, float4_e2m1fn_x2 and bits16 (no CPU index_put) in the PyTorch kernel. The
+    key is a strided view (every other element of a wider tensor)."""
+    key, value = _random_bits(dtype, 3, 2, 16)[..., ::2], _random_bits(dtype, 3, 2, 8)
+    caches = (_random_bits(dtype, 2, 4, 2, 8), _random_bits(dtype, 2, 4, 2, 8))
+    slots = torch.tensor([5, -1, 0], dtype=torch.int32)
+    want = [c.clone() for c in caches]
+    paged_kv_write_reference(key, value, *want, slots)
+    kernels = ((torch.ops.stepops.paged_kv_write, torch.device("cpu")), (paged_kv_write_triton, triton_device()))
+    for kernel, device in kernels:
+        got = [c.clone().to(device) for c in caches]
+        kernel(key.to(device), value.to(device), *got, slots.to(device))
+        assert all(torch.equal(g.cpu().view(torch.uint8), w.view(torch.uint8)) for g, w in zip(got, want)), kernel
 
 
 def test_triton_kernel_compiles_for_gpus_with_every_float8_cache():

@@ -8,6 +8,16 @@ from stepops._meta.paged_kv_write import check_paged_kv_write_args
 from stepops.ops.bounds import IdCheck, any_bad_ids, bad_ids_error
 from stepops.ops.put_rows import put_rows_
 
+# Integer dtype of each element size: what both kernels copy. index_put (this kernel) has no uint16-64,
+# float8_e8m0fnu, float4_e2m1fn_x2 or bits dtypes, and Triton no complex64 or float8_e8m0fnu.
+_BITS_DTYPES = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def as_bits(t: torch.Tensor) -> torch.Tensor:
+    """``t`` viewed as integers of its element size (same shape and strides); a wider dtype as it is."""
+    bits = _BITS_DTYPES.get(t.element_size())
+    return t if bits is None else t.view(bits)
+
 
 def paged_kv_write_torch(
     key: torch.Tensor,
@@ -39,5 +49,5 @@ def paged_kv_write_torch(
     if bool(any_bad_ids(checks)):  # the one host read (stepops.ops.bounds)
         raise bad_ids_error("paged_kv_write", checks)
     index = (slots // block_size, slots % block_size)
-    put_rows_(key_cache, index, key, slots >= 0)
-    put_rows_(value_cache, index, value, slots >= 0)
+    put_rows_(as_bits(key_cache), index, as_bits(key), slots >= 0)
+    put_rows_(as_bits(value_cache), index, as_bits(value), slots >= 0)

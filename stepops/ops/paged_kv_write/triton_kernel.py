@@ -12,12 +12,13 @@ import triton
 import triton.language as tl
 
 from stepops._meta.paged_kv_write import check_paged_kv_write_args
+from stepops.ops.paged_kv_write.torch_kernel import as_bits
 from stepops.ops.triton_bounds import bad_id, count_error, in_extent
 
 
 @triton.jit
 def _paged_kv_write_kernel(
-    key_ptr,  # [T, H, D], any dtype as integers of its width (see _as_bits)
+    key_ptr,  # [T, H, D], any dtype as integers of its width (see as_bits)
     value_ptr,  # [T, H, Dv]
     key_cache_ptr,  # [num_blocks, N, H, D], written
     value_cache_ptr,  # [num_blocks, N, H, Dv], written
@@ -73,16 +74,6 @@ def _paged_kv_write_kernel(
     tl.store(v_dst + heads * value_cache_stride_h + dims_v * value_cache_stride_d, v, mask=mask_v & write)
 
 
-# Integer dtype of each element size: what the kernel copies.
-_BITS_DTYPES = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def _as_bits(t: torch.Tensor) -> torch.Tensor:
-    """``t`` viewed as integers of its element size (any strides); a wider dtype is left as it is."""
-    bits = _BITS_DTYPES.get(t.element_size())
-    return t if bits is None else t.view(bits)
-
-
 def paged_kv_write_triton(
     key: torch.Tensor,
     value: torch.Tensor,
@@ -102,7 +93,7 @@ def paged_kv_write_triton(
     # The op copies bits: the kernel moves them as integers of the same width (a view, same strides), so
     # any dtype takes the same copy. Passed as they are, float8_e4m3fnuz/e5m2fnuz caches ran under the
     # interpreter but do not compile for sm_90 or sm_80, and float8_e8m0fnu or complex64 have no Triton type.
-    key, value, key_cache, value_cache = (_as_bits(t) for t in (key, value, key_cache, value_cache))
+    key, value, key_cache, value_cache = (as_bits(t) for t in (key, value, key_cache, value_cache))
     _paged_kv_write_kernel[(num_tokens,)](
         key,
         value,
