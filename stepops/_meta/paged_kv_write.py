@@ -28,7 +28,8 @@ def check_paged_kv_write_args(
 
     ``key [T, H, D]``, ``value [T, H, Dv]``, ``key_cache [num_blocks, N, H, D]``,
     ``value_cache [num_blocks, N, H, Dv]`` (same ``num_blocks`` and ``N >= 1``), ``slot_mapping [T]`` int32/int64,
-    caches of the same dtype as their inputs, everything on one device; ``errors`` None or an int32 ``[1]``.
+    caches of the same dtype as their inputs, elements of at most 8 bytes, everything on one device;
+    ``errors`` None or an int32 ``[1]``.
     A call that repeats a recently accepted signature returns at once (``stepops._meta.accepted``).
     """
     if not is_dynamo_compiling():
@@ -56,6 +57,11 @@ def check_paged_kv_write_args(
         raise TypeError(
             "paged_kv_write: a cache must have its input's dtype (the op copies bits); got key "
             f"{key.dtype} -> key_cache {key_cache.dtype}, value {value.dtype} -> value_cache {value_cache.dtype}"
+        )
+    if key.element_size() > 8 or value.element_size() > 8:
+        raise TypeError(
+            "paged_kv_write: copies elements of at most 8 bytes (each moves as one integer of its width; there is "
+            f"no 16-byte integer); got key {key.dtype}, value {value.dtype}"
         )
     devices = {t.device for t in (key, value, key_cache, value_cache, slot_mapping)}
     if len(devices) != 1:

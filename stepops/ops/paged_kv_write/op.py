@@ -38,8 +38,9 @@ def paged_kv_write(
     """Write each token's key and value rows at its slot of a paged NHD KV cache.
 
     Shapes and dtypes:
-        ``key`` ``[T, H, D]`` and ``value`` ``[T, H, Dv]``, any dtype (bits are copied); ``key_cache``
-        ``[num_blocks, N, H, D]`` and ``value_cache`` ``[num_blocks, N, H, Dv]`` in their inputs' dtypes;
+        ``key`` ``[T, H, D]`` and ``value`` ``[T, H, Dv]``, any dtype of at most 8 bytes (bits are copied);
+        ``key_cache`` ``[num_blocks, N, H, D]`` and ``value_cache`` ``[num_blocks, N, H, Dv]`` in their inputs'
+        dtypes;
         ``slot_mapping`` ``[T]`` int32 or int64, -1 for padding;
         ``errors`` optional int32 ``[1]`` (``stepops.error_counter()``).
     Writes:

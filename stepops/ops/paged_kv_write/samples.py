@@ -85,6 +85,10 @@ def paged_kv_write_error_inputs(device: torch.device) -> Iterator[ErrorInput]:
     yield ErrorInput(call("cache_dtype", cache_dtype=torch.float16), TypeError, "a cache must have its input's dtype")
     yield ErrorInput(call("token_count", key_shape=(2, heads, dim)), ValueError, "need the same token count")
     yield ErrorInput(
+        call("complex128_key", key_dtype=torch.complex128, cache_dtype=torch.complex128), TypeError,
+        "paged_kv_write: copies elements of at most 8 bytes",
+    )  # fmt: skip
+    yield ErrorInput(
         call("errors_int64", errors=torch.zeros(1, dtype=torch.int64, device=device)), TypeError,
         "paged_kv_write: errors must be an int32 counter",
     )  # fmt: skip
