@@ -23,7 +23,8 @@ schedule covers chunked ragged prefill (chunks longer than a ring's capacity), d
 rejected drafts (rewritten by the next step), requests that finish while others go on, and new requests
 that reuse a finished request's slot, i.e. its blocks, over stale contents. Every step must also change
 something (the check is not vacuous). The CPU kernels run by default; one small run points the ops' CPU
-dispatch at the Triton launchers (under ``TRITON_INTERPRET=1``).
+dispatch at the Triton launchers (under ``TRITON_INTERPRET=1``), and one per model runs the steps through
+the runner's Inductor-compiled forward.
 """
 
 from __future__ import annotations
@@ -34,10 +35,12 @@ import warnings
 
 import pytest
 import torch
+from torch._dynamo.utils import counters
 
 from stepops.layouts import ROW_BYTES
 from stepops.models import InklingConfig, InklingModel, Step5Config, Step5Model
-from stepops.models.runner import ScheduledRequest, StepRunner, Workload, run_workload
+from stepops.models.inkling import DENSE
+from stepops.models.runner import COMPILED, EAGER, ScheduledRequest, StepRunner, Workload, run_workload
 
 _REGION = 8
 
@@ -182,13 +185,18 @@ def _model(kind: str, config=None):
     return InklingModel(config or InklingConfig())
 
 
-def _drive(model, workload: Workload | None = _WORKLOAD, *, first_chunk: int = 5) -> ContainmentChecker:
+def _drive(
+    model, workload: Workload | None = _WORKLOAD, *, first_chunk: int = 5, mode: str = EAGER
+) -> ContainmentChecker:
     """Run ``workload`` and then new requests in finished slots (their blocks, stale contents); without a
-    workload, three small steps whose first chunk of request 0 is ``first_chunk`` tokens long."""
+    workload, three small steps whose first chunk of request 0 is ``first_chunk`` tokens long; ``mode`` is
+    the runner's (eager or compiled)."""
     k = model.config.num_speculative_tokens
     budget = workload.token_budget if workload else first_chunk + 2  # the first step is padded
     max_len = max(24, workload.max_len if workload else 0) + 2 * k
-    runner = StepRunner(model, max_requests=3, max_model_len=max_len, max_tokens=budget, device="cpu", seed=3)
+    runner = StepRunner(
+        model, max_requests=3, max_model_len=max_len, max_tokens=budget, device="cpu", seed=3, mode=mode
+    )
     checker = ContainmentChecker(runner)
     hidden = model.config.hidden_size
     gen = torch.Generator().manual_seed(7)
@@ -234,6 +242,33 @@ def _drive(model, workload: Workload | None = _WORKLOAD, *, first_chunk: int = 5
 def test_a_step_writes_only_its_own_rows(kind, config, workload):
     checker = _drive(_model(kind, config), workload or _WORKLOAD)
     assert checker.steps > 10
+
+
+@pytest.mark.parametrize(
+    "kind, config",
+    [
+        pytest.param("step5", Step5Config(layer_types=("csa",), moe_layers=()), id="step5_csa"),
+        pytest.param("inkling", InklingConfig(layer_types=("global",), mlp_layer_types=(DENSE,)), id="inkling"),
+    ],
+)
+def test_a_compiled_step_writes_only_its_own_rows(kind, config):
+    """The same steps through the runner's Inductor-compiled forward (``torch.compile(fullgraph=True)``,
+    what users run). Functionalisation turns each cache op into an out-of-place op on its whole base, and
+    Inductor puts it back in place (or clones and copies back), passing the op views it regenerates from
+    the base; it also compiles the metadata arithmetic (slots of padding tokens included) into its own
+    kernels. A wrong view, a copy-back of anything but the op's result, or a padding slot that is not -1
+    writes outside the allowed rows. (A copy-back of unchanged bytes cannot show here: test_compile's
+    Inductor test checks the code for clones and copies into the caches.)
+
+    One layer of each model (it has every cache kind: KV, ring and summary; KV and conv state) and no MoE:
+    the smallest graph, compiled once per model and reused by every step. ``aot_eager`` would compile in
+    a few seconds, but it runs each op on a clone of its whole base and copies the base back: eager's
+    writes again, none of Inductor's in-place code or kernels.
+    """
+    counters.clear()
+    checker = _drive(_model(kind, config), mode=COMPILED)
+    assert checker.steps > 10
+    assert counters["stats"]["unique_graphs"] == 1  # every step ran the one compiled graph
 
 
 @contextlib.contextmanager
