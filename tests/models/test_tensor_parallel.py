@@ -14,6 +14,9 @@ the same scripted workload (chunked prefill, decode, verify with rejected drafts
 - Compiled tp = 2 == eager tp = 2 bitwise (outputs and caches), one graph per token range (decode steps
   of T = 2 run only the chosen experts, on each rank its shard of them), no graph break; every rank's
   outputs are the same bits.
+- Each rank's steps write only its own rows of its own caches: the containment check of
+  tests/models/test_write_containment.py (every cache byte poisoned, the bytes a step may change derived
+  from the schedule and the block tables) on a rank's sharded model, whose caches hold its KV heads only.
 
 The two processes start once per module (about 30-40 s on 2 cores); each rank records its checks in a
 JSON file that the tests below read.
@@ -30,6 +33,7 @@ import pytest
 import torch
 import torch._dynamo.testing
 import torch.distributed as dist
+from test_write_containment import run_contained_steps
 from torch._dynamo.utils import counters
 
 from stepops.layouts import InklingStream
@@ -56,6 +60,7 @@ CHECKS = (
     "compiled_one_graph_per_token_range_no_breaks",
     "small_steps_ran_the_chosen_experts",
     "tp_above_kv_heads_refused",
+    "steps_write_only_their_own_rows",
 )
 
 
@@ -185,6 +190,11 @@ def _rank_checks(rank: int, tp_size: int, out_dir: str) -> None:
         else:
             raise AssertionError("tp = 2 over one KV head was accepted")
         assert not context, f"a refused layer registered {list(context)}"
+
+    def steps_write_only_their_own_rows():
+        # A rank whose step fails here stops stepping: the other waits in its next collective until the
+        # group's timeout and records that error as well.
+        run_contained_steps(_sharded(full, rank, shard_of=rank))
 
     for name in CHECKS:
         check(name, locals()[name])

@@ -24,7 +24,8 @@ rejected drafts (rewritten by the next step), requests that finish while others 
 that reuse a finished request's slot, i.e. its blocks, over stale contents. Every step must also change
 something (the check is not vacuous). The CPU kernels run by default; one small run points the ops' CPU
 dispatch at the Triton launchers (under ``TRITON_INTERPRET=1``), and one per model runs the steps through
-the runner's Inductor-compiled forward.
+the runner's Inductor-compiled forward. tests/models/test_tensor_parallel.py runs the same check in each
+tensor-parallel rank (:func:`run_contained_steps`).
 """
 
 from __future__ import annotations
@@ -185,12 +186,13 @@ def _model(kind: str, config=None):
     return InklingModel(config or InklingConfig())
 
 
-def _drive(
+def run_contained_steps(
     model, workload: Workload | None = _WORKLOAD, *, first_chunk: int = 5, mode: str = EAGER
 ) -> ContainmentChecker:
     """Run ``workload`` and then new requests in finished slots (their blocks, stale contents); without a
-    workload, three small steps whose first chunk of request 0 is ``first_chunk`` tokens long; ``mode`` is
-    the runner's (eager or compiled)."""
+    workload, three small steps whose first chunk of request 0 is ``first_chunk`` tokens long. Every step
+    goes through a :class:`ContainmentChecker`; ``mode`` is the runner's (eager or compiled). The inputs are
+    seeded, so every tensor-parallel rank runs the same steps."""
     k = model.config.num_speculative_tokens
     budget = workload.token_budget if workload else first_chunk + 2  # the first step is padded
     max_len = max(24, workload.max_len if workload else 0) + 2 * k
@@ -240,7 +242,7 @@ def _drive(
     ],
 )
 def test_a_step_writes_only_its_own_rows(kind, config, workload):
-    checker = _drive(_model(kind, config), workload or _WORKLOAD)
+    checker = run_contained_steps(_model(kind, config), workload or _WORKLOAD)
     assert checker.steps > 10
 
 
@@ -266,7 +268,7 @@ def test_a_compiled_step_writes_only_its_own_rows(kind, config):
     writes again, none of Inductor's in-place code or kernels.
     """
     counters.clear()
-    checker = _drive(_model(kind, config), mode=COMPILED)
+    checker = run_contained_steps(_model(kind, config), mode=COMPILED)
     assert checker.steps > 10
     assert counters["stats"]["unique_graphs"] == 1  # every step ran the one compiled graph
 
@@ -308,6 +310,6 @@ def test_a_step_writes_only_its_own_rows_with_the_triton_kernels(kind, config, f
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("the Triton kernels run on CPU tensors only under TRITON_INTERPRET=1")
     with _triton_kernels_on_cpu():
-        checker = _drive(_model(kind, config), None, first_chunk=first_chunk)
+        checker = run_contained_steps(_model(kind, config), None, first_chunk=first_chunk)
     k = checker.runner.model.config.num_speculative_tokens
     assert all(capacity == 7 + k for _, capacity, _ in checker.geometry.rings)  # as the comment above says
