@@ -14,9 +14,9 @@ _BITS_DTYPES = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def as_bits(t: torch.Tensor) -> torch.Tensor:
-    """``t`` viewed as integers of its element size (same shape and strides); a wider dtype as it is."""
-    bits = _BITS_DTYPES.get(t.element_size())
-    return t if bits is None else t.view(bits)
+    """``t`` viewed as integers of its element size (same shape and strides); the argument check refuses
+    elements wider than 8 bytes."""
+    return t.view(_BITS_DTYPES[t.element_size()])
 
 
 def paged_kv_write_torch(
