@@ -8,6 +8,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from stepops.ops.paged_kv_write import paged_kv_write
 from stepops.ops.paged_kv_write.reference import paged_kv_write_reference
+from stepops.ops.paged_kv_write.torch_kernel import paged_kv_write_torch
 from stepops.ops.paged_kv_write.triton_kernel import paged_kv_write_triton
 from stepops.ops.paged_kv_write.validate import validate_paged_kv_write_inputs
 from stepops.testing import op_samples
@@ -190,6 +191,19 @@ def test_both_kernels_copy_the_bits_of_any_dtype(dtype):
         got = [c.clone().to(device) for c in caches]
         kernel(key.to(device), value.to(device), *got, slots.to(device))
         assert all(torch.equal(g.cpu().view(torch.uint8), w.view(torch.uint8)) for g, w in zip(got, want)), kernel
+
+
+def test_pytorch_kernel_compiled_by_inductor_copies_the_bits_of_float_caches():
+    """Compiled by Inductor, the PyTorch kernel still copies bits (NaN payloads included): a put through an
+    integer view of a bf16 cache came out as the integers' values converted to bf16."""
+    key, value = _random_bits(torch.bfloat16, 3, 2, 16)[..., ::2], _random_bits(torch.bfloat16, 3, 2, 8)
+    caches = (_random_bits(torch.bfloat16, 2, 4, 2, 8), _random_bits(torch.bfloat16, 2, 4, 2, 8))
+    slots = torch.tensor([5, -1, 0], dtype=torch.int32)
+    want = [c.clone() for c in caches]
+    paged_kv_write_reference(key, value, *want, slots)
+    torch._dynamo.reset()
+    torch.compile(paged_kv_write_torch, backend="inductor")(key, value, *caches, slots)
+    assert all(torch.equal(c.view(torch.int16), w.view(torch.int16)) for c, w in zip(caches, want))
 
 
 def test_triton_kernel_compiles_for_gpus_with_every_float8_cache():
