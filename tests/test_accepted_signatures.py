@@ -163,7 +163,7 @@ def test_every_op_checks_a_repeated_call_against_its_remembered_signatures(entry
     remembered = []
     remember = AcceptedSignatures.remember
     monkeypatch.setattr(
-        AcceptedSignatures, "remember", lambda self, *args: remembered.append(1) or remember(self, *args)
+        AcceptedSignatures, "remember", lambda self, *args, **kwargs: remembered.append(1) or remember(self, *args, **kwargs)
     )
     for sample in entry.samples(torch.device("cpu")):
         entry.fake(*sample.args, **sample.kwargs)

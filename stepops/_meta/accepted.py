@@ -1,12 +1,13 @@
 """The argument signatures an op's check accepted lately, compared with a new call in C++.
 
-The checks in ``stepops._meta`` read the dtypes, sizes and devices of tensors and an int, never data, so a
-call whose tensors match an accepted call's in type, dispatch keys, dtype, device, sizes and
-``requires_grad``, and whose int is equal, passes them again. Reading that in Python costs as much as the
-checks themselves (3-5 us for 5-9 tensors per eager call, about the dispatcher's own cost). Dynamo's
-``TensorGuards`` (``torch._C._dynamo.guards``: private, the same interface on torch 2.11-2.15) compares
-it in one C++ call, so a decode loop, which calls each op with the same few signatures at every layer and
-step, runs the Python checks only for a new one. Without ``TensorGuards`` every call runs them.
+The checks in ``stepops._meta`` read the dtypes, sizes and devices of tensors, the strides of the tensors an
+op writes and an int, never data, so a call whose tensors match an accepted call's in type, dispatch keys,
+dtype, device, sizes, written strides and ``requires_grad``, and whose int is equal, passes them again.
+Reading that in Python costs as much as the checks themselves (3-5 us for 5-9 tensors per eager call, about
+the dispatcher's own cost). Dynamo's ``TensorGuards`` (``torch._C._dynamo.guards``: private, the same
+interface on torch 2.11-2.15) compares it in one C++ call, so a decode loop, which calls each op with the
+same few signatures at every layer and step, runs the Python checks only for a new one. Without
+``TensorGuards`` every call runs them.
 """
 
 from __future__ import annotations
@@ -77,18 +78,30 @@ class AcceptedSignatures:
         i = self.entries.index(accepted)
         self.entries = (accepted, *self.entries[:i], *self.entries[i + 1 :])
 
-    def remember(self, tensors: tuple[torch.Tensor, ...], scalar: int | None = None, result: Any = None) -> None:
+    def remember(
+        self,
+        tensors: tuple[torch.Tensor, ...],
+        scalar: int | None = None,
+        result: Any = None,
+        *,
+        written: tuple[int, ...] = (),
+    ) -> None:
         """Add ``tensors`` and ``scalar`` as accepted with ``result`` (at the front), if they are plain
-        values; the least recently matched signature goes when :attr:`SIZE` are remembered."""
+        values; the least recently matched signature goes when :attr:`SIZE` are remembered. ``written``:
+        the positions in ``tensors`` of the tensors the op writes, whose strides must match too."""
         if TensorGuards is None or is_dynamo_compiling() or type(scalar) not in _PLAIN_INTS:
             return
         # A tensor passed twice: the guards would never match the call.
         if any(type(t) not in _PLAIN_TENSORS for t in tensors) or len({id(t) for t in tensors}) < len(tensors):
             return
-        # The sizes these tensors have now; any strides (the checks never read them).
+        # The sizes these tensors have now; the strides of the written ones (the checks refuse strides that
+        # let two positions share an element, stepops._meta.written), any strides of the others: comparing
+        # them would cost the guards time for nothing the checks read.
         guards = TensorGuards(
             *tensors,
             dynamic_dims_sizes=[list(t.shape) for t in tensors],
-            dynamic_dims_strides=[[None] * t.dim() for t in tensors],
+            dynamic_dims_strides=[
+                list(t.stride()) if i in written else [None] * t.dim() for i, t in enumerate(tensors)
+            ],
         )
         self.entries = (Accepted(guards, scalar, result), *self.entries[: self.SIZE - 1])

@@ -12,6 +12,7 @@ from torch.compiler import is_dynamo_compiling
 
 from stepops._meta.accepted import ABSENT, AcceptedSignatures
 from stepops._meta.errors import check_errors_arg
+from stepops._meta.written import check_own_elements
 from stepops.layouts import REPLAY_ROWS
 from stepops.specs import is_int
 
@@ -101,11 +102,14 @@ def check_csa_ring_update_args(
         if t.device != device:
             raise ValueError(f"csa_ring_update: {name} is on {t.device}, index_k on {device}")
     check_errors_arg("csa_ring_update", errors, device)
+    # ring [R, 2P] and summary_cache [S, P] can never be one tensor: their rows differ in width.
+    check_own_elements("csa_ring_update", "ring", ring)
+    check_own_elements("csa_ring_update", "summary_cache", summary_cache)
     tensors = (
         index_k, index_z, ring, summary_cache, token_position, token_chunk_start, token_chunk_len,
         token_ring_base, token_summary_slot, ABSENT if errors is None else errors,
     )  # fmt: skip
-    _ACCEPTED.remember(tensors, capacity)
+    _ACCEPTED.remember(tensors, capacity, written=(2, 3))
 
 
 # The op writes its caches and returns nothing, so its fake is its argument check (one frame less on

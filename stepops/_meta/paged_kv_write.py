@@ -11,6 +11,7 @@ from torch.compiler import is_dynamo_compiling
 
 from stepops._meta.accepted import ABSENT, AcceptedSignatures
 from stepops._meta.errors import check_errors_arg
+from stepops._meta.written import check_distinct, check_own_elements
 
 _SLOT_DTYPES = (torch.int32, torch.int64)
 _ACCEPTED = AcceptedSignatures()
@@ -29,7 +30,8 @@ def check_paged_kv_write_args(
     ``key [T, H, D]``, ``value [T, H, Dv]``, ``key_cache [num_blocks, N, H, D]``,
     ``value_cache [num_blocks, N, H, Dv]`` (same ``num_blocks`` and ``N >= 1``), ``slot_mapping [T]`` int32/int64,
     caches of the same dtype as their inputs, elements of at most 8 bytes, everything on one device;
-    ``errors`` None or an int32 ``[1]``.
+    ``errors`` None or an int32 ``[1]``; caches that own their elements and are two tensors
+    (``stepops._meta.written``).
     A call that repeats a recently accepted signature returns at once (``stepops._meta.accepted``).
     """
     if not is_dynamo_compiling():
@@ -94,7 +96,12 @@ def check_paged_kv_write_args(
             f"{tuple(key_cache.shape[:2])} and {tuple(value_cache.shape[:2])}"
         )
     check_errors_arg("paged_kv_write", errors, key.device)
-    _ACCEPTED.remember((key, value, key_cache, value_cache, slot_mapping, ABSENT if errors is None else errors))
+    check_own_elements("paged_kv_write", "key_cache", key_cache)
+    check_own_elements("paged_kv_write", "value_cache", value_cache)
+    check_distinct("paged_kv_write", ("key_cache", key_cache), ("value_cache", value_cache))
+    _ACCEPTED.remember(
+        (key, value, key_cache, value_cache, slot_mapping, ABSENT if errors is None else errors), written=(2, 3)
+    )
 
 
 # The op writes its caches and returns nothing, so its fake is its argument check (one frame less on

@@ -14,6 +14,7 @@ from torch.compiler import is_dynamo_compiling
 
 from stepops._meta.accepted import ABSENT, AcceptedSignatures
 from stepops._meta.errors import check_errors_arg
+from stepops._meta.written import check_own_elements
 from stepops.specs import is_int
 
 _WEIGHT_DTYPES = (torch.bfloat16, torch.float32)
@@ -112,12 +113,13 @@ def check_sconv_args(
         if tensor.device != x.device:
             raise ValueError(f"sconv: {name} is on {tensor.device}, x on {x.device}; all must share one device")
     check_errors_arg("sconv", errors, x.device)
+    check_own_elements("sconv", "cache", cache)
     sizes = SconvSizes(num_tokens, num_heads, width, weight.shape[1], block_size)
     tensors = (
         x, weight, cache, block_table, token_request, token_chunk_start, slot_mapping, token_position,
         ABSENT if errors is None else errors,
     )  # fmt: skip
-    _ACCEPTED.remember(tensors, stream_offset, sizes)
+    _ACCEPTED.remember(tensors, stream_offset, sizes, written=(2,))
     return sizes
 
 

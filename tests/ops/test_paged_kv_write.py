@@ -124,7 +124,7 @@ def test_triton_kernel_reads_a_strided_slot_mapping_by_its_stride():
     slots = table[:, 0]  # [1, 5, 2], stride 2
     want_k, want_v = cache.clone(), cache.clone()
     paged_kv_write_reference(key, key, want_k, want_v, slots)
-    got_k, got_v = cache.to(device), cache.to(device)
+    got_k, got_v = cache.clone().to(device), cache.clone().to(device)  # two caches, also on CPU
     paged_kv_write_triton(key.to(device), key.to(device), got_k, got_v, table.to(device)[:, 0])
     assert torch.equal(got_k.cpu(), want_k) and torch.equal(got_v.cpu(), want_v)
 

@@ -182,6 +182,15 @@ def error_inputs(device: torch.device) -> Iterator[ErrorInput]:
         call("ring_row_width", lambda args: args.__setitem__(2, args[2][:, :6])), ValueError,
         r"csa_ring_update: a ring row is \[index_k \| index_z\] = 8 bf16 values",
     )  # fmt: skip
+    # Rows 4 values apart but 8 wide: each row's index_z half is the next row's index_k half.
+    yield ErrorInput(
+        call("ring_rows_overlap", lambda args: args.__setitem__(2, args[2].flatten()[: 4 * (num_rows + 1)].unfold(0, 8, 4))),
+        ValueError, r"csa_ring_update: ring \(shape \(38, 8\), strides \(4, 1\)\) lets several of its positions share",
+    )  # fmt: skip
+    yield ErrorInput(
+        call("summary_expanded", lambda args: args.__setitem__(3, args[3][:1].expand_as(args[3]))), ValueError,
+        r"csa_ring_update: summary_cache \(shape \(8, 4\), strides \(0, 1\)\) lets several of its positions share",
+    )  # fmt: skip
     yield ErrorInput(
         call("summary_float32", lambda args: args.__setitem__(3, args[3].float())), TypeError,
         "csa_ring_update: summary_cache must be bfloat16",

@@ -84,6 +84,19 @@ def paged_kv_write_error_inputs(device: torch.device) -> Iterator[ErrorInput]:
     yield ErrorInput(call("float_slots", slot_dtype=torch.float32), TypeError, "slot_mapping must be int32 or int64")
     yield ErrorInput(call("cache_dtype", cache_dtype=torch.float16), TypeError, "a cache must have its input's dtype")
     yield ErrorInput(call("token_count", key_shape=(2, heads, dim)), ValueError, "need the same token count")
+    expanded = call("key_cache_expanded")
+    key, value, key_cache, value_cache, slot_mapping = expanded.args
+    expanded_args = (key, value, key_cache[:, :1].expand_as(key_cache), value_cache, slot_mapping)
+    yield ErrorInput(
+        SampleInput(expanded.name, expanded_args), ValueError,
+        r"paged_kv_write: key_cache \(shape \(3, 4, 2, 8\), strides \(64, 0, 8, 1\)\) lets several",
+    )  # fmt: skip
+    one_cache = call("one_tensor_for_both_caches")
+    key, value, key_cache, _, slot_mapping = one_cache.args
+    yield ErrorInput(
+        SampleInput(one_cache.name, (key, value, key_cache, key_cache, slot_mapping)), ValueError,
+        "paged_kv_write: key_cache and value_cache are one tensor",
+    )  # fmt: skip
     yield ErrorInput(
         call("complex128_key", key_dtype=torch.complex128, cache_dtype=torch.complex128), TypeError,
         "paged_kv_write: copies elements of at most 8 bytes",

@@ -264,6 +264,10 @@ def error_inputs(device: torch.device) -> Iterator[ErrorInput]:
         r"sconv: stream range \[60, 68\) lies outside the cache's D = 64",
     )  # fmt: skip
     yield ErrorInput(
+        call("cache_expanded_over_n", lambda args: args.__setitem__(2, args[2][:, :, :1].expand_as(args[2]))),
+        ValueError, r"sconv: cache \(shape \(6, 2, 4, 64\), strides \(512, 256, 0, 1\)\) lets several of its",
+    )  # fmt: skip
+    yield ErrorInput(
         call("request_int64", lambda args: args.__setitem__(4, args[4].long())), TypeError,
         "sconv: token_request must be int32",
     )  # fmt: skip
