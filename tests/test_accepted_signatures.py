@@ -174,6 +174,22 @@ def test_every_op_checks_a_repeated_call_against_its_remembered_signatures(entry
 
 
 @pytest.mark.parametrize("entry", _ENTRIES, ids=[e.name for e in _ENTRIES])
+@pytest.mark.parametrize("errors", [torch.empty(0), torch.empty(0, dtype=torch.int32)], ids=["float32_0", "int32_0"])
+def test_a_bad_counter_never_matches_a_call_accepted_without_one(entry, errors):
+    """A call without ``errors`` is remembered with a stand-in tensor in the counter's place; a call whose
+    counter looks like the stand-in (an empty tensor) must still run the checks. Before: an empty float32
+    counter matched it, skipped the checks, and the Triton kernel counted bad ids into an empty tensor's
+    address (a crash under the interpreter, an illegal access on a GPU)."""
+    for sample in entry.samples(torch.device("cpu")):
+        if "errors" in sample.kwargs or len(sample.args) == len(entry.overload._schema.arguments):
+            continue  # the sample passes a counter
+        for _ in range(2):  # the second call matches the remembered signature
+            entry.fake(*sample.args, **sample.kwargs)
+        with pytest.raises((TypeError, ValueError), match=f"^{entry.name}: errors must be an int32"):
+            entry.fake(*sample.args, **sample.kwargs, errors=errors)
+
+
+@pytest.mark.parametrize("entry", _ENTRIES, ids=[e.name for e in _ENTRIES])
 def test_a_remembered_signature_gives_the_checks_result(entry):
     for sample in entry.samples(torch.device("cpu")):
         fresh = entry.fake(*sample.args, **sample.kwargs)

@@ -22,9 +22,15 @@ try:
 except ImportError:  # a torch without it: every call runs the checks
     TensorGuards = None
 
-# Stands for an absent optional tensor (``errors=None``): the guards take tensors only, and an empty
-# float tensor differs from any counter (int32 [1]), so a call with a counter never matches one without.
-ABSENT = torch.empty(0)
+
+class _Absent(torch.Tensor):
+    """The type of :data:`ABSENT` alone: the guards compare types, so no tensor a caller passes matches it."""
+
+
+# Stands for an absent optional tensor (``errors=None``): the guards take tensors only. Not a plain tensor:
+# a plain empty one let a call with ``errors=torch.empty(0)`` match an accepted call without a counter, skip
+# the checks and reach the Triton kernel, which then counted into an empty tensor's address.
+ABSENT = torch.Tensor._make_subclass(_Absent, torch.empty(0))
 # Signatures worth remembering: real tensors and parameters (FakeTensors, functional and other subclasses
 # are tracing, which runs the checks once anyway) and plain ints (never a SymInt, whose comparison would
 # add a guard to a trace).
@@ -92,7 +98,8 @@ class AcceptedSignatures:
         if TensorGuards is None or is_dynamo_compiling() or type(scalar) not in _PLAIN_INTS:
             return
         # A tensor passed twice: the guards would never match the call.
-        if any(type(t) not in _PLAIN_TENSORS for t in tensors) or len({id(t) for t in tensors}) < len(tensors):
+        plain = all(type(t) in _PLAIN_TENSORS or t is ABSENT for t in tensors)
+        if not plain or len({id(t) for t in tensors}) < len(tensors):
             return
         # The sizes these tensors have now; the strides of the written ones (the checks refuse strides that
         # let two positions share an element, stepops._meta.written), any strides of the others: comparing
