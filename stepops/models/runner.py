@@ -206,6 +206,12 @@ class StepRunner:
             seen.add(s.slot)
             if s.start < 0:
                 raise ValueError(f"request slot {s.slot}: start must be >= 0, got {s.start}")
+            if s.start > self._fed[s.slot]:
+                raise ValueError(
+                    f"request slot {s.slot}: start {s.start} skips positions {self._fed[s.slot]}..{s.start - 1}, which "
+                    "no step of its request has fed (the slot's caches hold what an earlier request left there); "
+                    f"continue at {self._fed[s.slot]} or below, or restart at 0"
+                )
             back = self._fed[s.slot] - s.start
             if s.start > 0 and self._max_rollback is not None and back > self._max_rollback:
                 raise ValueError(

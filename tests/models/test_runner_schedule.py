@@ -1,8 +1,9 @@
 """StepRunner refuses a bad schedule with a ValueError before it touches its buffers or any cache: a step
 larger than the largest capture size, a slot outside ``0..max_requests - 1`` (a negative slot indexed
 another slot's block-table row from the end and wrote that request's pages), a slot scheduled twice in one
-step, a negative start, a Step5 step further back than its CSA rings keep. A good schedule reaches the device
-in non-blocking copies (each blocking one is a stream sync on a GPU)."""
+step, a negative start, a start past the positions the slot's request has fed (its attention would read
+what an earlier request left in the caches), a Step5 step further back than its CSA rings keep. A good
+schedule reaches the device in non-blocking copies (each blocking one is a stream sync on a GPU)."""
 
 from __future__ import annotations
 
@@ -36,8 +37,13 @@ def _x(runner, n):
         (lambda x: [ScheduledRequest(2, 0, x(3))], "slot 2 is outside"),
         (lambda x: [ScheduledRequest(0, 0, x(2)), ScheduledRequest(0, 2, x(2))], "slot 0 is scheduled twice"),
         (lambda x: [ScheduledRequest(0, -3, x(3))], "start must be >= 0"),
+        (lambda x: [ScheduledRequest(1, 7, x(1))], r"slot 1: start 7 skips positions 5\.\.6, which no step"),
+        (lambda x: [ScheduledRequest(0, 2, x(1))], r"slot 0: start 2 skips positions 0\.\.1, which no step"),
     ],
-    ids=["too-many-tokens", "negative-slot", "slot-past-the-end", "duplicate-slot", "negative-start"],
+    ids=[
+        "too-many-tokens", "negative-slot", "slot-past-the-end", "duplicate-slot", "negative-start",
+        "start-past-what-the-request-fed", "start-in-a-slot-never-fed",
+    ],  # fmt: skip
 )
 def test_a_bad_schedule_is_refused_before_anything_is_written(runner, make_batch, match):
     batch = make_batch(lambda n: _x(runner, n))
