@@ -27,13 +27,19 @@ def is_int(value: object) -> bool:
     return isinstance(value, (int, torch.SymInt)) and not isinstance(value, (bool, enum.Enum))
 
 
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+
 def check_int(name: str, value: object, minimum: int) -> None:
     """The package's one size check (also used by the layouts, the owners, the allocator, the models'
-    configs and the demo): ``TypeError`` unless :func:`is_int`, ``ValueError`` below ``minimum``."""
+    configs and the demo): ``TypeError`` unless :func:`is_int`, ``ValueError`` below ``minimum`` or past
+    int64 (which torch would refuse with an ``OverflowError`` deeper down)."""
     if not is_int(value):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
     if value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    if type(value) is int and value > INT64_MAX:
+        raise ValueError(f"{name} = {value} does not fit in int64")
 
 
 @dataclass(frozen=True, kw_only=True)

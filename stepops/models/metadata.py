@@ -15,7 +15,7 @@ import torch
 
 from stepops.ops.csa_ring_update import CSARingMetadata, build_csa_ring_metadata
 from stepops.ops.sconv import SconvMetadata, build_sconv_metadata
-from stepops.ops.step_metadata import TokenMetadata, build_token_metadata
+from stepops.ops.step_metadata import TokenMetadata, build_token_metadata, paged_slot_mapping
 
 
 class StepBuffers(NamedTuple):
@@ -35,26 +35,6 @@ class StepBuffers(NamedTuple):
     ring_blocks: torch.Tensor
     summary_block_table: torch.Tensor
     conv_block_table: torch.Tensor
-
-
-def paged_slot_mapping(token: TokenMetadata, block_table: torch.Tensor, block_size: int) -> torch.Tensor:
-    """``[T]`` int32: ``block_table[r, p // N] * N + p % N`` for a token at position ``p`` of request ``r``.
-
-    ``-1`` (write nothing) for padding, for a position past the table's ``max_blocks * N`` and for an
-    unallocated (``-1``) block entry: such a token has no slot of its own, and any slot made up for it
-    would be another position's (the runner sizes its tables so that real tokens never hit these cases).
-    """
-    if block_table.numel() == 0:  # R = 0 (or no columns): no token has a slot, and there is nothing to gather
-        return torch.full_like(token.position, -1)
-    request = token.request.long().clamp(min=0)
-    position = token.position.long().clamp(min=0)
-    column = position // block_size
-    in_table = column < block_table.shape[1]
-    # The clamp only keeps the gather in range; the columns it changes are masked out below.
-    block = block_table.long()[request, column.clamp(max=block_table.shape[1] - 1)]
-    slot = block * block_size + position % block_size
-    has_slot = (token.position >= 0) & in_table & (block >= 0)
-    return torch.where(has_slot, slot, -1).to(torch.int32)
 
 
 def bound_size(cache: torch.Tensor, dim: int) -> int:

@@ -14,7 +14,18 @@ from typing import NamedTuple
 import torch
 
 from stepops._meta.errors import check_arg_types
-from stepops.specs import is_int
+from stepops.specs import check_int
+
+
+_INT32 = torch.iinfo(torch.int32)
+
+
+def to_int32_ids(ids: torch.Tensor) -> torch.Tensor:
+    """int64 ``ids`` as the ops' int32, saturated rather than wrapped: an id outside int32 becomes
+    ``-2**31`` or ``2**31 - 1``, which the op refuses (CPU) or masks and counts (CUDA) for any tensor of
+    fewer than ``2**31 - 1`` rows. Wrapped, a garbage block id could land in range: block ``2**30`` of
+    ``N = 4`` was slot 0, another request's row."""
+    return ids.clamp(_INT32.min, _INT32.max).to(torch.int32)
 
 
 class TokenMetadata(NamedTuple):
@@ -47,10 +58,7 @@ def check_step_lengths(builder: str, query_start_loc: torch.Tensor, seq_lens: to
     tokens in this step) are checked only where they cost no device sync: CPU tensors, outside
     ``torch.compile``. On a GPU the op's ``validate=True`` reports their consequences.
     """
-    if not is_int(num_tokens):
-        raise TypeError(f"{builder}: num_tokens must be an int, got {type(num_tokens).__name__}")
-    if num_tokens < 0:
-        raise ValueError(f"{builder}: num_tokens must be >= 0, got {num_tokens}")
+    check_int(f"{builder}: num_tokens", num_tokens, 0)
     if query_start_loc.dim() != 1 or seq_lens.dim() != 1 or query_start_loc.numel() != seq_lens.numel() + 1:
         raise ValueError(
             f"{builder}: query_start_loc must be [R + 1] and seq_lens [R]; got {tuple(query_start_loc.shape)} "
@@ -114,8 +122,28 @@ def build_token_metadata(
     return TokenMetadata(
         request=torch.where(is_real, request, pad).to(torch.int32),
         chunk_start=torch.where(is_real, chunk_start, pad).to(torch.int32),
-        position=torch.where(is_real, position, pad).to(torch.int32),
+        position=to_int32_ids(torch.where(is_real, position, pad)),  # seq_lens may be garbage on a GPU
     )
+
+
+def paged_slot_mapping(token: TokenMetadata, block_table: torch.Tensor, block_size: int) -> torch.Tensor:
+    """``[T]`` int32: ``block_table[r, p // N] * N + p % N`` for a token at position ``p`` of request ``r``.
+
+    ``-1`` (write nothing) for padding, for a position past the table's ``max_blocks * N`` and for an
+    unallocated (negative) block entry: such a token has no slot of its own, and any slot made up for it
+    would be another position's (the runner sizes its tables so that real tokens never hit these cases).
+    """
+    if block_table.numel() == 0:  # R = 0 (or no columns): no token has a slot, and there is nothing to gather
+        return torch.full_like(token.position, -1)
+    request = token.request.long().clamp(min=0)
+    position = token.position.long().clamp(min=0)
+    column = position // block_size
+    in_table = column < block_table.shape[1]
+    # The clamp only keeps the gather in range; the columns it changes are masked out below.
+    block = block_table.long()[request, column.clamp(max=block_table.shape[1] - 1)]
+    slot = block * block_size + position % block_size
+    has_slot = (token.position >= 0) & in_table & (block >= 0)
+    return to_int32_ids(torch.where(has_slot, slot, -1))
 
 
 def reuse_token_metadata(builder: str, token: TokenMetadata, num_tokens: int) -> None:

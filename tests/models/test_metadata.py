@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from stepops.models import InklingConfig, InklingModel, Step5Config, Step5Model
-from stepops.models.metadata import paged_slot_mapping
+from stepops.ops.step_metadata import paged_slot_mapping
 from stepops.ops.step_metadata import build_token_metadata
 
 

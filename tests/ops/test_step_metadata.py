@@ -125,3 +125,43 @@ def test_op_builders_derive_from_given_token_metadata():
         short = build_token_metadata(qsl, seq_lens, num_tokens + 1)
         with pytest.raises(ValueError, match=rf"token.request must be int32 \[{num_tokens}\]"):
             build(token=short)
+
+
+def test_ids_past_int32_saturate_and_the_ops_refuse_them():
+    """The builders compute ids in int64 and hand the ops int32: an id past int32 (a garbage block-table
+    entry, ring block or sequence length) becomes 2**31 - 1, outside every cache, which the op refuses. Before,
+    it wrapped: block 2**30 of N = 4 became slot 0 and the sconv op overwrote block 0, another request's."""
+    from stepops.ops.csa_ring_update import build_csa_ring_metadata
+    from stepops.ops.sconv import build_sconv_metadata, sconv
+
+    int32_max = 2**31 - 1
+    qsl, seq_lens = torch.tensor([0, 2]), torch.tensor([2])
+    garbage_table = torch.tensor([[2**30]], dtype=torch.int32)
+    meta = build_sconv_metadata(qsl, seq_lens, garbage_table, 4, 2)
+    assert meta.slot_mapping.tolist() == [int32_max, int32_max]
+    cache = torch.zeros(4, 1, 4, 8, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"sconv: slot_mapping must be -1 or in \[0, 16\)"):
+        sconv(torch.ones(2, 8, dtype=torch.bfloat16), torch.zeros(8, 4, dtype=torch.bfloat16), cache, garbage_table, meta, 0)
+    assert not cache.any(), "a refused call writes nothing"
+
+    ring = build_csa_ring_metadata(torch.tensor([0, 1]), torch.tensor([8]), torch.tensor([2**29]), 8,
+                                   torch.tensor([[2**29]]), 16, 1)  # fmt: skip
+    assert ring.ring_base.tolist() == [int32_max] and ring.summary_slot.tolist() == [int32_max]
+    assert build_token_metadata(torch.tensor([0, 1]), torch.tensor([2**33]), 1).position.tolist() == [int32_max]
+
+
+def test_sizes_past_int64_are_a_value_error_in_every_builder():
+    """Before: torch's ``OverflowError: int too big to convert`` from deep inside the build."""
+    from stepops.ops.csa_ring_update import build_csa_ring_metadata
+    from stepops.ops.sconv import build_sconv_metadata
+
+    qsl, seq_lens, table = torch.tensor([0, 3]), torch.tensor([3]), torch.zeros(1, 2, dtype=torch.int32)
+    huge = 2**70
+    for build in (
+        lambda: build_token_metadata(qsl, seq_lens, huge),
+        lambda: build_sconv_metadata(qsl, seq_lens, table, huge, 3),
+        lambda: build_csa_ring_metadata(qsl, seq_lens, torch.tensor([0]), huge, table, 16, 3),
+        lambda: build_csa_ring_metadata(qsl, seq_lens, torch.tensor([0]), 16, table, huge, 3),
+    ):
+        with pytest.raises(ValueError, match=rf"= {huge} does not fit in int64"):
+            build()

@@ -7,7 +7,13 @@ from typing import NamedTuple
 import torch
 
 from stepops.layouts import REGION_SIZE
-from stepops.ops.step_metadata import TokenMetadata, build_token_metadata, check_same_device, reuse_token_metadata
+from stepops.ops.step_metadata import (
+    TokenMetadata,
+    build_token_metadata,
+    check_same_device,
+    reuse_token_metadata,
+    to_int32_ids,
+)
 from stepops.specs import check_int
 
 
@@ -108,6 +114,6 @@ def build_csa_ring_metadata(
         position=token.position,
         chunk_start=token.chunk_start,
         chunk_len=torch.where(real, chunk_len, pad).to(torch.int32),
-        ring_base=torch.where(real, ring_base, pad).to(torch.int32),
-        summary_slot=torch.where(closes, slot, pad).to(torch.int32),
+        ring_base=to_int32_ids(torch.where(real, ring_base, pad)),
+        summary_slot=to_int32_ids(torch.where(closes, slot, pad)),
     )

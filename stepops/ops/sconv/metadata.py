@@ -6,7 +6,13 @@ from typing import NamedTuple
 
 import torch
 
-from stepops.ops.step_metadata import TokenMetadata, build_token_metadata, check_same_device, reuse_token_metadata
+from stepops.ops.step_metadata import (
+    TokenMetadata,
+    build_token_metadata,
+    check_same_device,
+    paged_slot_mapping,
+    reuse_token_metadata,
+)
 from stepops.specs import check_int
 
 
@@ -59,20 +65,9 @@ def build_sconv_metadata(
         token = build_token_metadata(query_start_loc, seq_lens, num_tokens, builder="build_sconv_metadata")
     else:
         reuse_token_metadata("build_sconv_metadata", token, num_tokens)
-    if block_table.shape[0] == 0:  # no request: every token is padding, and there is no row to gather
-        return SconvMetadata(token.request, token.chunk_start, token.request.clone(), token.position)
-    request = token.request.clamp(min=0).to(torch.int64)
-    position = token.position.clamp(min=0).to(torch.int64)
-    column = position // block_size
-    in_table = column < block_table.shape[1]
-    # The clamps keep the gather in bounds for padding and out-of-table tokens, whose slot is masked to -1
-    # below; no branch on the data, no host sync.
-    block = block_table[request, column.clamp(max=block_table.shape[1] - 1)].to(torch.int64)
-    stores = (token.request >= 0) & in_table & (block >= 0)
-    slot = torch.where(stores, block * block_size + position % block_size, -1)
     return SconvMetadata(
         token_request=token.request,
         token_chunk_start=token.chunk_start,
-        slot_mapping=slot.to(torch.int32),
+        slot_mapping=paged_slot_mapping(token, block_table, block_size),
         token_position=token.position,
     )
