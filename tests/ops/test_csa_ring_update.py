@@ -302,6 +302,12 @@ VALIDATE_CASES = {
         "capacity 10 exceeds rows_per_block: every ring_base is a multiple of 6 rows",
     ),
     "chunk_covers_padding": ("chunk_len", lambda m: torch.where(m == 9, 10, m), "token 12 is inside the chunk"),
+    # Padding writes nothing, but a slot on it is a builder bug; before, it passed, or, when the slot was a
+    # real token's, was reported as two tokens writing one summary slot.
+    "padding_with_a_summary_slot": (
+        "summary_slot", lambda m: torch.where(torch.arange(m.numel()) == 12, 0, m).int(),
+        "padding token 12 has token_summary_slot 0; padding carries -1",
+    ),
 }  # fmt: skip
 
 

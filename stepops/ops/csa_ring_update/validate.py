@@ -29,8 +29,8 @@ def validate_csa_ring_update_inputs(
     inside ``ring`` and the rings of different requests are disjoint (bases at least ``capacity`` apart);
     summary slots are -1 or in range and distinct; ``capacity`` is at most the ``rows_per_block`` the
     bases were built with (seen from their gcd); padding carries -1 everywhere, and a real token's position
-    is not negative (``seq_lens`` shorter than the step) nor behind the token before it. These rule out races between the Triton kernel's programs:
-    a program reads and writes only its own request's ring rows and step rows, and no two write one row.
+    is not negative (``seq_lens`` shorter than the step) nor behind the token before it. These rule out
+    races between the Triton kernel's programs: a program reads and writes only its own request's ring rows and step rows, and no two write one row.
     """
     check_csa_ring_update_args(index_k, index_z, ring, summary_cache, *metadata, capacity)
     position, chunk_start, chunk_len, ring_base, summary_slot = (m.long().cpu() for m in metadata)
@@ -47,7 +47,8 @@ def validate_csa_ring_update_inputs(
         )
     padding = position < 0
     for name, field in (("token_position", position), ("token_chunk_start", chunk_start),
-                        ("token_chunk_len", chunk_len), ("token_ring_base", ring_base)):  # fmt: skip
+                        ("token_chunk_len", chunk_len), ("token_ring_base", ring_base),
+                        ("token_summary_slot", summary_slot)):  # fmt: skip
         bad = padding & (field != -1)
         if bool(bad.any()):
             t = int(bad.nonzero()[0])
