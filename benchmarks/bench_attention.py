@@ -194,6 +194,8 @@ def run_model_step(
                     model = model_cls(config)
                 runner = StepRunner(model, max_requests=NUM_REQUESTS, max_model_len=context, max_tokens=NUM_REQUESTS,
                                     device=device, mode=mode, compile_backend=settings.compile_backend)
+                for i in range(NUM_REQUESTS):
+                    runner.assume_fed(i, context - 1)  # a decode step at the context's end, without its prefill
                 size = runner.padded_size(runner._fill_buffers(batch))
                 if mode == CUDA_GRAPH:
                     runner._capture(size)  # only the decode step's size

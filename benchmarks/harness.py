@@ -453,6 +453,8 @@ def metadata_op_counts(device: torch.device, num_requests: int = 16) -> dict[str
                             device=device, seed=0)
         hidden = model.config.hidden_size
         batch = [ScheduledRequest(r, 9 + r, torch.zeros(1, hidden, dtype=torch.bfloat16)) for r in range(num_requests)]
+        for r in range(num_requests):
+            runner.assume_fed(r, 9 + r)  # only the metadata are counted: no prefill needed
         size = runner.padded_size(runner._fill_buffers(batch))
         b = runner.buffers
         builders: dict[str, Callable[[], Any]] = {"token": lambda: build_token_metadata(b.query_start_loc, b.seq_lens, size)}

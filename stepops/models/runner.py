@@ -29,6 +29,7 @@ import torch
 from stepops.models.inkling import InklingModel
 from stepops.models.metadata import StepBuffers
 from stepops.models.step5 import Step5Model
+from stepops.specs import check_int
 
 EAGER, COMPILED, CUDA_GRAPH = "eager", "compiled", "cudagraph"
 HIDDEN, TOKENS = "hidden", "tokens"
@@ -268,6 +269,16 @@ class StepRunner:
         (The ops' Triton launchers switch to their tensors' GPU themselves, ``stepops._triton``; inside this
         guard they need not.)"""
         return torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
+
+    def assume_fed(self, slot: int, length: int) -> None:
+        """Let the request in ``slot`` start its next step anywhere up to ``length``, as if steps had fed
+        positions ``0 .. length - 1``, without running them: the caches keep whatever they hold there, so
+        the outputs mean nothing. For benchmarks that time a step deep into a context without its prefill."""
+        check_int("assume_fed: slot", slot, 0)
+        if slot >= self.max_requests:
+            raise ValueError(f"assume_fed: slot {slot} is outside the runner's slots 0..{self.max_requests - 1}")
+        check_int("assume_fed: length", length, 0)
+        self._fed[slot] = length
 
     def step(self, batch: Sequence[ScheduledRequest]) -> list[torch.Tensor]:
         """Run one step; return each scheduled request's outputs ``[n, hidden]`` (on the device)."""

@@ -107,3 +107,14 @@ def test_a_step_copies_its_schedule_in_one_non_blocking_copy_and_its_inputs_in_a
     assert copies == [(tuple(runner._schedule.shape), True), ((4, runner.model.config.hidden_size), True)]
     assert runner.buffers.query_start_loc[:3].tolist() == [0, 3, 4]
     assert runner.buffers.seq_lens[:2].tolist() == [3, 6]
+
+
+def test_assume_fed_lets_a_step_start_deep_in_a_context_and_checks_its_slot(runner):
+    """The benchmarks time steps at long contexts without their prefill (``assume_fed``)."""
+    with pytest.raises(ValueError, match="assume_fed: slot 2 is outside the runner's slots 0..1"):
+        runner.assume_fed(2, 10)
+    with pytest.raises(ValueError, match="assume_fed: length must be >= 0"):
+        runner.assume_fed(0, -1)
+    runner.assume_fed(0, 20)
+    (out,) = runner.step([ScheduledRequest(0, 20, _x(runner, 2))])
+    assert out.shape == (2, runner.model.config.hidden_size)
