@@ -50,6 +50,7 @@ from torch import nn
 
 from stepops.allocator import KVCaches, allocate_kv_caches
 from stepops.layouts import InklingConvStateLayout, InklingStream
+from stepops.models.dtypes import tensor_dtypes
 from stepops.models.metadata import InklingStepMetadata, StepBuffers, bound_size, build_inkling_metadata
 from stepops.models.moe import small_step_max_tokens
 from stepops.models.paged_attention import paged_attention
@@ -557,6 +558,8 @@ class InklingModel(nn.Module):
         )
         self.norm = InklingRMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
         self.lm_head = _linear(c.hidden_size, c.vocab_size, dtype)
+        self.dtype = dtype
+        self.built_dtypes = tensor_dtypes(self)
 
     def allocate_caches(self, num_blocks: int, device: torch.device | str) -> KVCaches:
         """Allocate and bind every layer's own KV cache and conv-state cache (``num_blocks`` blocks each)."""

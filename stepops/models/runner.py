@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from stepops.models.dtypes import check_built_dtypes
 from stepops.models.inkling import InklingModel
 from stepops.models.metadata import StepBuffers
 from stepops.models.step5 import Step5Model
@@ -122,6 +123,7 @@ class StepRunner:
         if mode == CUDA_GRAPH and torch.device(device).type != "cuda":
             raise ValueError("CUDA-graph mode needs a CUDA device")
         _check_model_device(model, torch.device(device))
+        check_built_dtypes(model)
         self.model = model
         self.device = torch.device(device)
         self.mode = mode

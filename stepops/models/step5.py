@@ -36,6 +36,7 @@ from torch import nn
 
 from stepops.allocator import KVCaches, allocate_kv_caches
 from stepops.layouts import REGION_SIZE, REPLAY_ROWS, smallest_block_size
+from stepops.models.dtypes import tensor_dtypes
 from stepops.models.metadata import (
     StepBuffers,
     Step5StepMetadata,
@@ -578,6 +579,8 @@ class Step5Model(nn.Module):
         )
         self.norm = ZeroCentredRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.summary_block_size = 16  # regions per summary-cache block
+        self.dtype = dtype
+        self.built_dtypes = tensor_dtypes(self)
 
     def allocate_caches(self, num_blocks: int, num_summary_blocks: int, device: torch.device | str) -> KVCaches:
         """Allocate and bind every layer's own KV cache and ring (``num_blocks`` blocks, through the

@@ -79,6 +79,22 @@ def test_a_model_on_another_device_is_refused_naming_the_parameter():
         StepRunner(model, max_requests=2, max_model_len=32, max_tokens=8, device="cpu")
 
 
+@pytest.mark.parametrize(
+    "make_model, match",
+    [
+        (lambda: Step5Model(Step5Config(), dtype=torch.float32), r"built with dtype=torch.float32; a cached step runs"),
+        (lambda: InklingModel().float(), r"embed_tokens.weight is torch.float32, built as torch.bfloat16"),
+        (lambda: InklingModel().bfloat16(), r"layers.0.conv_kv is torch.bfloat16, built as torch.float32"),
+    ],
+    ids=["built-fp32", "float-after-construction", "fp32-conv-weights-cast-to-bf16"],
+)
+def test_a_model_in_another_dtype_is_refused(make_model, match):
+    """Before: a float32 model failed inside its first GEMM or sconv's dtype check; one cast to bf16 after
+    construction ran, with its fp32 conv weights rounded, and drifted from the oracle with no error."""
+    with pytest.raises(ValueError, match=match):
+        StepRunner(make_model(), max_requests=1, max_model_len=16, max_tokens=4, device="cpu")
+
+
 def test_a_cpu_model_with_a_cuda_runner_is_refused():
     """Before, on a CPU build: torch's ``AssertionError: Torch not compiled with CUDA enabled`` from inside the
     allocator; with a GPU, a device mismatch inside the first GEMM."""
