@@ -163,3 +163,19 @@ def test_attention_case_reports_memory_and_time_per_byte():
     assert growth["dense"]["peak_eager"] > 1.8 and growth["dense"]["peak_compiled"] > 1.8
     assert growth["paged"]["peak_eager"] < 1.1 and growth["paged"]["peak_compiled"] < 1.1
     assert "paged 1024_to_2048" in format_attention(results)
+
+
+def test_layer_steps_time_every_case_in_both_modes():
+    """``python -m benchmarks --layers``: every case (a verify step among them) runs repeatedly in each mode.
+    It failed from the runner's rollback check on: a repeated 4-token verify step stepped back 4 positions,
+    past what the Step5 rings keep. With the ``eager`` backend the compiled graph runs the same kernels, so
+    its first outputs equal eager's bit for bit."""
+    from benchmarks.bench_layers import run_layers
+
+    settings = harness.Settings(device=torch.device("cpu"), quick=True, compile_backend="eager", min_run_time=0.01)
+    results = run_layers(settings, lambda message: None)
+    for model in results["models"]:
+        assert [c["case"] for c in model["cases"]] == ["decode_r1", "decode_r16", "verify_k3_r4"]
+        for case in model["cases"]:
+            assert all(case[f"{mode}_{what}_us"] > 0 for mode in model["modes"] for what in ("step", "forward"))
+    assert results["max_abs_diff_vs_eager"] == {"step5/compiled": 0.0, "inkling/compiled": 0.0}
