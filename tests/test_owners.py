@@ -69,14 +69,17 @@ def test_paged_attention_layer_binds_strided_nhd_cache():
     layer.bind_kv_cache(cache)
     assert layer.kv_cache is cache
     assert torch.equal(layer.key_cache, cache[..., :8]) and torch.equal(layer.value_cache, cache[..., 8:])
-    with pytest.raises(ValueError, match=r"must be \[num_blocks, N, 2, 12\] with num_blocks >= 1 and N a multiple of 4"):
+    with pytest.raises(ValueError, match=r"must be \[num_blocks, N, 2, 12\] with num_blocks >= 1 and N a positive multiple of 4"):
         layer.bind_kv_cache(torch.zeros(3, 6, 2, 12, dtype=torch.bfloat16))
     # One head where the spec has two (N = 8 is a multiple of 4, the width is right): not this layer's cache.
     with pytest.raises(ValueError, match=r"must be \[num_blocks, N, 2, 12\] .*got shape \(3, 8, 1, 12\)"):
         layer.bind_kv_cache(torch.zeros(3, 8, 1, 12, dtype=torch.bfloat16))
     # No block: a ValueError as for the ring and the conv state (it was an IndexError reading block 0).
-    with pytest.raises(ValueError, match=r"num_blocks >= 1 and N a multiple of 4, got shape \(0, 8, 2, 12\)"):
+    with pytest.raises(ValueError, match=r"num_blocks >= 1 and N a positive multiple of 4, got shape \(0, 8, 2, 12\)"):
         layer.bind_kv_cache(torch.zeros(0, 8, 2, 12, dtype=torch.bfloat16))
+    # Blocks of no token (0 is a multiple of 4): paged_kv_write refused them only at the first step.
+    with pytest.raises(ValueError, match=r"N a positive multiple of 4, got shape \(3, 0, 2, 12\)"):
+        layer.bind_kv_cache(torch.zeros(3, 0, 2, 12, dtype=torch.bfloat16))
     with pytest.raises(TypeError, match="must be torch.bfloat16, got torch.float32"):
         layer.bind_kv_cache(torch.zeros(3, 4, 2, 12))
     with pytest.raises(ValueError, match="blocks overlap"):
@@ -148,7 +151,8 @@ def test_ring_spec_is_one_main_page_of_rows(num_kv_heads, head_size, ring_head_s
         block_stride_alignment=1024,
     )
     assert spec.page_size_bytes == main.get_kv_cache_spec().page_size_bytes == page_bytes
-    assert ring.capacity == capacity
+    assert page_bytes // 1024 == capacity
+    assert (ring.capacity, ring.rows_per_block) == (0, 0), "the spec sizes the page; only a bind sets these"
 
 
 @pytest.mark.parametrize(
@@ -205,6 +209,41 @@ def test_ring_binds_contiguous_blocks():
     assert ring.kv_cache is cache
     assert ring.rows.shape == (48, 512)
     assert torch.equal(ring.rows, cache.reshape(48, 512))
+
+
+def test_a_spec_asked_again_after_binding_leaves_the_bound_ring_alone():
+    """An engine may ask for specs again after binding. The spec set ``capacity`` from the main page (18 rows
+    here) while the bound cache's blocks hold 16, so update() passed 18 and the ring at block 0 wrote row 16:
+    block 1's, another request's, even with validate=True."""
+    context = {}
+    PagedAttentionLayer(
+        prefix="layers.0.attn", num_kv_heads=1, head_size=576, head_size_v=0, block_size=16,
+        static_forward_context=context,
+    )  # fmt: skip
+    ring = _ring(context, k=0)
+    buffer = torch.full((3 * 16 * 512,), -7.0, dtype=torch.bfloat16)
+    ring.bind_kv_cache(buffer.view(3, 16, 1, 512))
+    ring.get_kv_cache_spec()
+    assert (ring.capacity, ring.rows_per_block) == (16, 16)
+    metadata = ring.metadata_builder(summary_block_size=4).build(
+        torch.tensor([0, 1], dtype=torch.int32), torch.tensor([17], dtype=torch.int32),
+        torch.tensor([0], dtype=torch.int32), torch.zeros(1, 8, dtype=torch.int32), 1,
+    )  # fmt: skip
+    rows = torch.ones(1, 256, dtype=torch.bfloat16)
+    ring.update(rows, rows, torch.zeros(16, 256, dtype=torch.bfloat16), metadata, validate=True)
+    written = (buffer.view(-1, 512) != -7).any(1).nonzero().flatten().tolist()
+    assert written == [0], "position 16 is row 16 % 16 of block 0's ring (capacity 18 made it row 16, block 1's)"
+
+
+@pytest.mark.parametrize("main", ["layers.0.ring", "layers.0.other_ring"], ids=["itself", "another_ring"])
+def test_a_ring_whose_main_layer_is_a_ring_is_a_value_error(main):
+    """Before: RecursionError (the ring asked itself, or two rings asked each other, for their specs)."""
+    context = {}
+    _main_layer(context)
+    ring = _ring(context, main=main)
+    _ring(context, prefix="layers.0.other_ring", main="layers.0.ring")
+    with pytest.raises(ValueError, match=rf"main layer '{main}' is a CSA tail ring; name the attention layer"):
+        ring.get_kv_cache_spec()
 
 
 def test_ring_binds_page_strided_blocks():

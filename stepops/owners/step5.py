@@ -114,6 +114,11 @@ class Step5CSATailRing(nn.Module):
                 f"Step5 CSA tail ring {self.layer_name}: main layer {self.main_layer_name!r} is not in the "
                 "forward context"
             )
+        if isinstance(main, Step5CSATailRing):
+            raise ValueError(
+                f"Step5 CSA tail ring {self.layer_name}: main layer {self.main_layer_name!r} is a CSA tail ring; "
+                "name the attention layer whose KV page the ring shares"
+            )
         if not callable(getattr(main, "get_kv_cache_spec", None)):
             raise TypeError(
                 f"Step5 CSA tail ring {self.layer_name}: main layer {self.main_layer_name!r} has no "
@@ -133,7 +138,8 @@ class Step5CSATailRing(nn.Module):
             block_size=main_spec.block_size,
             num_speculative_tokens=self.num_speculative_tokens,
         )
-        self.capacity = layout.capacity
+        # The spec only sizes the page: capacity and rows_per_block are the bound cache's (bind_kv_cache), and
+        # a spec asked for again after binding must not change what update() passes to the op.
         return CircularBufferSpec(
             block_size=main_spec.block_size,
             num_kv_heads=1,
