@@ -54,6 +54,8 @@ def unify_page_sizes(specs: Mapping[str, AttentionSpec], *, strided: Collection[
     """
     if not specs:
         raise ValueError("unify_page_sizes needs at least one layer spec")
+    if isinstance(strided, str):  # `name in "layers.10"` would be true for "layers.1"
+        raise TypeError(f"strided must be a collection of layer names, not the string {strided!r}")
     for name, spec in specs.items():
         if not isinstance(spec, AttentionSpec):
             raise TypeError(f"spec of layer {name} must be an AttentionSpec, got {type(spec).__name__}")
@@ -143,9 +145,14 @@ def allocate_kv_caches(
     sizes (:func:`unify_page_sizes`, padding allowed where ``backend.indexes_kv_by_block_stride()``),
     allocates a zeroed ``uint8 [num_blocks * page_bytes]`` buffer per layer on ``device``, views it as
     ``backend.get_kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size + head_size_v)`` with
-    ``stride(0) = page_bytes / itemsize`` and calls the owner's ``bind_kv_cache``. Layers are bound in the
-    context's order.
+    ``stride(0) = page_bytes / itemsize`` and calls the owner's ``bind_kv_cache``. Every view is made
+    before any layer is bound (a backend shape that does not fit its page binds nothing); layers are then
+    bound in the context's order.
     """
+    if not isinstance(static_forward_context, Mapping):
+        raise TypeError(
+            f"static_forward_context must be a mapping of layer name to layer, got {type(static_forward_context).__name__}"
+        )
     check_int("num_blocks", num_blocks, 1)
     owners = {
         name: layer
@@ -164,11 +171,13 @@ def allocate_kv_caches(
         strided=[name for name, backend in backends.items() if backend.indexes_kv_by_block_stride()],
     )
     page_bytes = unified.page_bytes
+    check_int(f"num_blocks * page bytes ({num_blocks} x {page_bytes})", num_blocks * page_bytes, 1)
     layers: dict[str, LayerKVCache] = {}
-    for name, owner in owners.items():
+    for name in owners:
         spec = unified.specs[name]
         buffer = torch.zeros(num_blocks * page_bytes, dtype=torch.uint8, device=device)
         kv_cache = _cache_view(buffer, spec, backends[name], num_blocks, page_bytes)
-        owner.bind_kv_cache(kv_cache)
         layers[name] = LayerKVCache(spec=spec, buffer=buffer, kv_cache=kv_cache)
+    for name, owner in owners.items():
+        owner.bind_kv_cache(layers[name].kv_cache)
     return KVCaches(page_bytes=page_bytes, num_blocks=num_blocks, layers=layers)

@@ -110,6 +110,9 @@ def test_unify_rejects_empty_and_foreign_specs():
         unify_page_sizes({})
     with pytest.raises(TypeError, match="spec of layer x must be an AttentionSpec, got dict"):
         unify_page_sizes({"x": {}})
+    # A string is a collection of characters: "layers.1" in "layers.10" let layers.1 be padded.
+    with pytest.raises(TypeError, match="strided must be a collection of layer names, not the string 'layers.10'"):
+        unify_page_sizes({"layers.1": _full(4, 2, 64)}, strided="layers.10")
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -243,6 +246,21 @@ def test_allocator_checks_the_backend_shape():
     Backend.order, Backend.shape = (0, 1, 2, 3), (2, 16, 1, 64)
     with pytest.raises(ValueError, match=r"TEST: cache shape \(2, 16, 1, 64\) is not 2 blocks of one 4096-byte page"):
         allocate_kv_caches({"x": Owner()}, 2)
+    # Every view is made before any layer binds: a bad shape in a later layer leaves the earlier one unbound
+    # (it was bound to a buffer of the allocation that failed).
+    first = Owner()
+    with pytest.raises(ValueError, match=r"TEST: cache shape"):
+        allocate_kv_caches({"first": first, "x": Owner()}, 2)
+    assert not hasattr(first, "kv_cache")
+
+
+def test_allocator_refuses_what_is_not_a_context_and_sizes_past_int64():
+    """Before: AttributeError (no .items()), and a TypeError from inside torch for the buffer size."""
+    with pytest.raises(TypeError, match="static_forward_context must be a mapping of layer name to layer, got list"):
+        allocate_kv_caches([1, 2], 1)
+    context, _, _ = _inkling_context(attention_heads=1)
+    with pytest.raises(ValueError, match=r"num_blocks \* page bytes \(1152921504606846976 x 4096\) = .* does not fit in int64"):
+        allocate_kv_caches(context, 2**60)
 
 
 # ---------------------------------------------------------------------------------------------------------

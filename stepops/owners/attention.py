@@ -81,13 +81,14 @@ class PagedAttentionLayer(nn.Module):
         if (
             kv_cache.dim() != 4
             or kv_cache.shape[0] == 0
+            or kv_cache.shape[1] == 0
             or kv_cache.shape[2] != spec.num_kv_heads
             or kv_cache.shape[3] != width
             or kv_cache.shape[1] % spec.block_size
         ):
             raise ValueError(
                 f"{self.layer_name}: kv_cache must be [num_blocks, N, {spec.num_kv_heads}, {width}] with "
-                f"num_blocks >= 1 and N a multiple of {spec.block_size}, got shape {tuple(kv_cache.shape)}"
+                f"num_blocks >= 1 and N a positive multiple of {spec.block_size}, got shape {tuple(kv_cache.shape)}"
             )
         if not kv_cache[0].is_contiguous():
             raise ValueError(
