@@ -143,7 +143,10 @@ class CSATailRingLayout:
                 f"Step5 CSA tail ring cache must be contiguous within a block, got shape "
                 f"{tuple(kv_cache.shape)} with strides {kv_cache.stride()}"
             )
-        block_stride = kv_cache.stride(0)
+        num_blocks = kv_cache.shape[0]
+        # One block: no second ring to reach, so its stride (which size-1 views leave arbitrary) is unused,
+        # as the attention and conv-state binds treat it.
+        block_stride = kv_cache.stride(0) if num_blocks > 1 else page_elements
         if block_stride % row_elements:
             raise ValueError(
                 f"Step5 CSA tail ring cache block stride {block_stride} is not a whole number of "
@@ -155,7 +158,6 @@ class CSATailRingLayout:
                 f"Step5 CSA tail ring cache blocks overlap: block stride {block_stride} elements is less "
                 f"than one {page_elements}-element page"
             )
-        num_blocks = kv_cache.shape[0]
         # Block b's ring is rows [b * rows_per_block, + capacity); the view ends at the last ring's end,
         # so it never reaches past the tensor the engine handed over.
         rows = kv_cache.as_strided(

@@ -293,6 +293,16 @@ def test_bind_rejects_caches_that_do_not_match_the_layout():
         layout.bind(raw.as_strided((3, 5120), (9 * 512, 1)))
 
 
+def test_bind_of_one_block_ignores_its_stride():
+    """A single block has no neighbour to overlap, so its stride(0) (arbitrary in size-1 views) is not read,
+    as the attention and conv-state binds treat it; it was refused as "blocks overlap"."""
+    layout = CSATailRingLayout(page_bytes=10240, block_size=16, num_speculative_tokens=3)
+    page = torch.arange(5120, dtype=torch.float32).to(torch.bfloat16)
+    ring = layout.bind(page.as_strided((1, 5120), (7, 1)))
+    assert (ring.capacity, ring.rows_per_block, ring.num_blocks) == (10, 10, 1)
+    assert ring.rows.data_ptr() == page.data_ptr() and torch.equal(ring.rows.flatten(), page)
+
+
 # ---------------------------------------------------------------------------------------------------------
 # InklingConvStateLayout
 # ---------------------------------------------------------------------------------------------------------
