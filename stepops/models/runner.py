@@ -30,7 +30,7 @@ from stepops.models.dtypes import check_built_dtypes
 from stepops.models.inkling import InklingModel
 from stepops.models.metadata import StepBuffers
 from stepops.models.step5 import Step5Model
-from stepops.specs import check_int
+from stepops.specs import check_int, is_int
 
 EAGER, COMPILED, CUDA_GRAPH = "eager", "compiled", "cudagraph"
 HIDDEN, TOKENS = "hidden", "tokens"
@@ -122,6 +122,9 @@ class StepRunner:
             raise ValueError(f"mode must be {EAGER!r}, {COMPILED!r} or {CUDA_GRAPH!r}, got {mode!r}")
         if mode == CUDA_GRAPH and torch.device(device).type != "cuda":
             raise ValueError("CUDA-graph mode needs a CUDA device")
+        for name, value, minimum in (("max_requests", max_requests, 1), ("max_model_len", max_model_len, 1),
+                                     ("max_tokens", max_tokens, 1), ("seed", seed, 0)):  # fmt: skip
+            check_int(name, value, minimum)
         _check_model_device(model, torch.device(device))
         check_built_dtypes(model)
         self.model = model
@@ -195,9 +198,11 @@ class StepRunner:
         r = self.max_requests
         if len(batch) > r:
             raise ValueError(f"{len(batch)} requests in one step; the runner has {r} slots")
+        # Checked before any buffer is touched: a bad schedule must not leave half a step in the buffers.
+        for s in batch:
+            self._check_request(s)
         lens = [len(s.inputs) for s in batch]
         total = sum(lens)
-        # Checked before any buffer is touched: a bad schedule must not leave half a step in the buffers.
         self.padded_size(total)
         seen: set[int] = set()
         for s in batch:
@@ -222,21 +227,17 @@ class StepRunner:
                     f"furthest its steps have fed; the model's CSA rings keep {self._max_rollback} (a verify step may "
                     "carry at most num_speculative_tokens drafts); restart the request at 0"
                 )
+            if s.start + len(s.inputs) > self.max_model_len:
+                raise ValueError(f"request slot {s.slot} would grow past max_model_len {self.max_model_len}")
         qsl = torch.full((r + 1,), total, dtype=torch.int32)
         qsl[: len(batch) + 1] = torch.tensor([0] + lens, dtype=torch.int32).cumsum(0)
-        seq_lens = torch.zeros(r, dtype=torch.int32)
+        seq_lens = torch.tensor([s.start + n for s, n in zip(batch, lens)] + [0] * (r - len(batch)), dtype=torch.int32)
         slots = torch.tensor([s.slot for s in batch], dtype=torch.long)
-        for i, s in enumerate(batch):
-            if s.start + lens[i] > self.max_model_len:
-                raise ValueError(f"request slot {s.slot} would grow past max_model_len {self.max_model_len}")
-            seq_lens[i] = s.start + lens[i]
         tables = {}
         for name, table in self._tables.items():
             rows = torch.full((r, *table.shape[1:]), -1, dtype=torch.int32)
             rows[: len(batch)] = table[slots]
             tables[name] = rows
-        for s, n in zip(batch, lens):
-            self._fed[s.slot] = s.start + n if s.start == 0 else max(self._fed[s.slot], s.start + n)
         schedule = StepBuffers(qsl, seq_lens, tables["attn"], tables["ring"], tables["summary"], tables["conv"])
         # Host -> device copies that do not block: a blocking one is a stream sync on a GPU (the host would
         # wait for the previous step's kernels, once per copy). From pageable memory CUDA stages the source
@@ -246,6 +247,38 @@ class StepRunner:
         if batch:
             self.inputs[:total].copy_(torch.cat([torch.as_tensor(s.inputs) for s in batch]), non_blocking=True)
         return total
+
+    def _check_request(self, s: ScheduledRequest) -> None:
+        """``TypeError``/``ValueError`` unless ``s`` has int ``slot`` and ``start`` (bools and floats were
+        taken as ints) and inputs of this runner's kind: ``[n, hidden]`` hidden states, or ``[n]`` integer
+        token ids inside the vocabulary (checked where they are on the host: a GPU tensor would sync)."""
+        for name in ("slot", "start"):
+            if not is_int(getattr(s, name)):
+                raise TypeError(f"ScheduledRequest.{name} must be an int, got {type(getattr(s, name)).__name__}")
+        inputs = torch.as_tensor(s.inputs)
+        if self.input_kind == HIDDEN:
+            hidden = self.model.config.hidden_size
+            if inputs.dim() != 2 or inputs.shape[1] != hidden:
+                raise ValueError(
+                    f"request slot {s.slot}: inputs must be [n, {hidden}] hidden states, got {tuple(inputs.shape)}"
+                )
+            return
+        if inputs.dim() != 1 or inputs.dtype.is_floating_point or inputs.dtype.is_complex or inputs.dtype == torch.bool:
+            raise ValueError(
+                f"request slot {s.slot}: inputs must be [n] integer token ids, got {inputs.dtype} {tuple(inputs.shape)}"
+            )
+        vocab = self.model.config.vocab_size
+        if inputs.device.type == "cpu" and inputs.numel() and not (0 <= int(inputs.min()) and int(inputs.max()) < vocab):
+            raise ValueError(
+                f"request slot {s.slot}: token ids must be in [0, {vocab}) (the vocabulary), got "
+                f"{int(inputs.min())}..{int(inputs.max())}"
+            )
+
+    def _commit_fed(self, batch: Sequence[ScheduledRequest]) -> None:
+        """Record the positions a step that ran has fed (a step that raised feeds nothing)."""
+        for s in batch:
+            end = s.start + len(s.inputs)
+            self._fed[s.slot] = end if s.start == 0 else max(self._fed[s.slot], end)
 
     def _run(self, size: int) -> torch.Tensor:
         hidden = self.inputs[:size]
@@ -290,6 +323,7 @@ class StepRunner:
     def _step(self, batch: Sequence[ScheduledRequest]) -> list[torch.Tensor]:
         total = self._fill_buffers(batch)
         out = self._run(self.padded_size(total))
+        self._commit_fed(batch)
         self.steps += 1
         self.tokens += total
         starts = [0]
@@ -317,6 +351,15 @@ class StepRunner:
         """
         if self.input_kind != TOKENS:
             raise ValueError('generate needs a runner built with inputs="tokens"')
+        check_int("max_new_tokens", max_new_tokens, 0)
+        # Checked before any step writes a cache: the last new token is fed only to predict the next.
+        too_long = [i for i, p in enumerate(prompts) if len(p) + max_new_tokens - 1 > self.max_model_len]
+        if too_long:
+            i = too_long[0]
+            raise ValueError(
+                f"prompt {i} ({len(prompts[i])} tokens) with {max_new_tokens} new tokens needs "
+                f"{len(prompts[i]) + max_new_tokens - 1} positions; the runner's max_model_len is {self.max_model_len}"
+            )
         if len(prompts) > self.max_requests:
             raise ValueError(f"{len(prompts)} prompts; the runner has {self.max_requests} request slots")
         if any(len(p) == 0 for p in prompts):
@@ -398,6 +441,20 @@ class Workload:
     num_speculative_tokens: int = 3
     token_budget: int = 24
     seed: int = 0
+
+    def __post_init__(self) -> None:
+        """``TypeError``/``ValueError`` for a workload that cannot run (``token_budget=0`` looped for ever)."""
+        if len(self.prompt_lens) != len(self.decode_lens) or not self.prompt_lens:
+            raise ValueError(
+                f"prompt_lens and decode_lens need one entry per request, at least one; got {len(self.prompt_lens)} "
+                f"and {len(self.decode_lens)}"
+            )
+        for i, (prompt, decode) in enumerate(zip(self.prompt_lens, self.decode_lens)):
+            check_int(f"prompt_lens[{i}]", prompt, 1)
+            check_int(f"decode_lens[{i}]", decode, 0)
+        check_int("num_speculative_tokens", self.num_speculative_tokens, 0)
+        check_int("token_budget", self.token_budget, 1)
+        check_int("seed", self.seed, 0)
 
     @property
     def max_len(self) -> int:

@@ -44,17 +44,12 @@ def _make(model_cls, config, seed=0, device="cpu"):
 def _schedule(runner: StepRunner, sizes: list[int], starts: list[int], seed: int) -> int:
     """Fill the runner's buffers with requests of ``sizes`` new tokens at ``starts``; return padded T.
 
-    The runner refuses a start past the positions its slot's request has fed, so a request that starts
-    later than that first feeds positions ``0 .. start - 1`` (into the buffers only: no model runs them)."""
+    The runner refuses a start past the positions its slot's request has fed, and only a step it runs
+    feeds them, so each request is assumed fed up to its start (``StepRunner.assume_fed``)."""
     gen = torch.Generator().manual_seed(seed)
     hidden = runner.model.config.hidden_size
-    earlier = [
-        ScheduledRequest(i, 0, torch.zeros(start, hidden, dtype=torch.bfloat16))
-        for i, start in enumerate(starts)
-        if start > runner._fed[i]
-    ]
-    if earlier:
-        runner._fill_buffers(earlier)
+    for i, start in enumerate(starts):
+        runner.assume_fed(i, start)
     batch = [
         ScheduledRequest(i, start, torch.randn(n, hidden, generator=gen).to(torch.bfloat16))
         for i, (n, start) in enumerate(zip(sizes, starts))

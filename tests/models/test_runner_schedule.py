@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from stepops.models import InklingModel, Step5Config, Step5Model
-from stepops.models.runner import ScheduledRequest, StepRunner
+from stepops.models.runner import ScheduledRequest, StepRunner, Workload
 from stepops.testing.storage import StorageSnapshot
 
 
@@ -39,18 +39,91 @@ def _x(runner, n):
         (lambda x: [ScheduledRequest(0, -3, x(3))], "start must be >= 0"),
         (lambda x: [ScheduledRequest(1, 7, x(1))], r"slot 1: start 7 skips positions 5\.\.6, which no step"),
         (lambda x: [ScheduledRequest(0, 2, x(1))], r"slot 0: start 2 skips positions 0\.\.1, which no step"),
+        (lambda x: [ScheduledRequest(0, 0, x(3)[:, :32])], r"slot 0: inputs must be \[n, 64\] hidden states"),
+        (lambda x: [ScheduledRequest(True, 0, x(3))], "ScheduledRequest.slot must be an int, got bool"),
+        (lambda x: [ScheduledRequest(1, 2.5, x(1))], "ScheduledRequest.start must be an int, got float"),
     ],
     ids=[
         "too-many-tokens", "negative-slot", "slot-past-the-end", "duplicate-slot", "negative-start",
-        "start-past-what-the-request-fed", "start-in-a-slot-never-fed",
+        "start-past-what-the-request-fed", "start-in-a-slot-never-fed", "inputs-of-another-width", "bool-slot",
+        "float-start",
     ],  # fmt: skip
 )
 def test_a_bad_schedule_is_refused_before_anything_is_written(runner, make_batch, match):
     batch = make_batch(lambda n: _x(runner, n))
     snapshot = StorageSnapshot([*runner.model.cache_tensors(), *runner.buffers, runner.inputs])
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises((TypeError, ValueError), match=match):
         runner.step(batch)
     assert snapshot.changed_bytes() == 0
+
+
+def test_a_step_that_fails_feeds_nothing(monkeypatch):
+    """A step that raises after the schedule checks (here its forward) leaves the fed positions as they
+    were, so the next step cannot start past what the caches hold. Before: they counted as fed."""
+    torch.manual_seed(0)
+    runner = StepRunner(InklingModel(), max_requests=1, max_model_len=32, max_tokens=8, device="cpu")
+    runner.step([ScheduledRequest(0, 0, _x(runner, 2))])
+
+    def fail(size):
+        raise RuntimeError("the forward failed")
+
+    monkeypatch.setattr(runner, "_run", fail)
+    with pytest.raises(RuntimeError, match="the forward failed"):
+        runner.step([ScheduledRequest(0, 2, _x(runner, 3))])
+    monkeypatch.undo()
+    with pytest.raises(ValueError, match=r"slot 0: start 5 skips positions 2\.\.4"):
+        runner.step([ScheduledRequest(0, 5, _x(runner, 1))])
+    runner.step([ScheduledRequest(0, 2, _x(runner, 3))])
+
+
+def test_token_steps_and_generate_check_their_arguments_before_any_step():
+    """Out-of-vocabulary ids were an IndexError from the embedding; max_new_tokens as a bool or a negative
+    int was taken silently; a prompt that cannot fit max_model_len failed only after steps had run."""
+    torch.manual_seed(0)
+    runner = StepRunner(InklingModel(), max_requests=2, max_model_len=32, max_tokens=8, device="cpu", inputs="tokens")
+    for call, error, match in (
+        (lambda: runner.step([ScheduledRequest(0, 0, torch.tensor([1, 500]))]), ValueError,
+         r"slot 0: token ids must be in \[0, 128\) \(the vocabulary\), got 1\.\.500"),
+        (lambda: runner.step([ScheduledRequest(0, 0, torch.tensor([-1]))]), ValueError, "token ids must be in"),
+        (lambda: runner.step([ScheduledRequest(0, 0, torch.tensor([1.5]))]), ValueError, r"must be \[n\] integer"),
+        (lambda: runner.generate([[1, 2]], True), TypeError, "max_new_tokens must be an int, got bool"),
+        (lambda: runner.generate([[1, 2]], -3), ValueError, "max_new_tokens must be >= 0, got -3"),
+        (lambda: runner.generate([[1, 2], [1] * 30], 5), ValueError,
+         r"prompt 1 \(30 tokens\) with 5 new tokens needs 34 positions; the runner's max_model_len is 32"),
+    ):  # fmt: skip
+        with pytest.raises(error, match=match):
+            call()
+    assert runner.steps == 0
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        (dict(max_tokens=0), ValueError, "max_tokens must be >= 1, got 0"),
+        (dict(max_requests=True), TypeError, "max_requests must be an int, got bool"),
+        (dict(max_model_len=-5), ValueError, "max_model_len must be >= 1, got -5"),
+        (dict(seed="a"), TypeError, "seed must be an int, got str"),
+    ],
+)
+def test_the_runners_sizes_are_checked_by_name(kwargs, error, match):
+    """Before: num_blocks errors (a name the caller never passed), torch internals, or silent acceptance."""
+    args = dict(max_requests=2, max_model_len=32, max_tokens=8, device="cpu") | kwargs
+    with pytest.raises(error, match=match):
+        StepRunner(InklingModel(), **args)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(token_budget=0), "token_budget must be >= 1, got 0"),  # run_workload looped for ever
+        (dict(num_speculative_tokens=-2), "num_speculative_tokens must be >= 0"),
+        (dict(prompt_lens=(1, 2)), "need one entry per request, at least one; got 2 and 5"),
+        (dict(prompt_lens=(-2, 3, 1, 1, 1)), r"prompt_lens\[0\] must be >= 1, got -2"),
+    ],
+)
+def test_a_workload_that_cannot_run_is_refused(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        Workload(**kwargs)
 
 
 def test_a_step5_step_further_back_than_the_csa_rings_keep_is_refused():
