@@ -21,7 +21,7 @@ if __package__ in (None, ""):
 import argparse  # noqa: E402
 import time  # noqa: E402
 
-from benchmarks.cli_args import add_device_arguments, check_device_argument  # noqa: E402
+from benchmarks.cli_args import add_device_arguments, check_device_argument, check_json_argument  # noqa: E402
 
 
 def _log(message: str) -> None:
@@ -35,7 +35,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("command", nargs="?", choices=("run", "static"), default="run",
                         help="run: time ops and layers (default); static: the GPU-build table and decode estimates")
     parser.add_argument("--quick", action="store_true", help="small sizes: under two minutes on a 2-core CPU")
-    parser.add_argument("--tiny", action="store_true", help="one smallest case per op, no extras or layers (smoke test)")
+    parser.add_argument("--tiny", action="store_true", help="one smallest case per op and no extras; layers and attention only with --layers, --attention "
+                             "(smoke test)")
     parser.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write the JSON report to PATH")
     parser.add_argument("--ops", nargs="+", choices=OP_MODULES, default=list(OP_MODULES), help="ops to run")
     layers = parser.add_mutually_exclusive_group()
@@ -54,6 +55,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Refuse, as argparse errors before any work, what would otherwise fail deep in torch or be ignored."""
+    check_json_argument(parser, args.json)
     if args.command == "static":
         # Every option but --json is read by ``run`` only: a new one is refused here without a list to update.
         given = [

@@ -37,7 +37,7 @@ from typing import Any, Callable
 
 import torch
 
-from benchmarks.cli_args import add_device_arguments, check_device_argument
+from benchmarks.cli_args import add_device_arguments, check_device_argument, check_json_argument
 from benchmarks.harness import Settings, median_us
 from stepops.testing.memory import peak_transient_bytes
 
@@ -252,6 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, default=None, metavar="PATH", help="write the results to PATH")
     args = parser.parse_args(argv)
     check_device_argument(parser, args.device)
+    check_json_argument(parser, args.json)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if "cudagraph" in (args.modes or ()) and device.type != "cuda":
         parser.error("--modes cudagraph needs a CUDA device")

@@ -1,4 +1,5 @@
-"""The ``--device`` and ``--threads`` options every benchmark entry point takes, checked before any work.
+"""The ``--device`` and ``--threads`` options every benchmark entry point takes, and its ``--json`` path,
+checked before any work.
 
 No torch import at module level: ``--help`` stays fast.
 """
@@ -21,6 +22,18 @@ def check_device_argument(parser: argparse.ArgumentParser, device: str | None) -
 
     if device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: this torch build sees no CUDA device; use --device cpu")
+
+
+def check_json_argument(parser: argparse.ArgumentParser, path) -> None:
+    """An argparse error, before any work, for a ``--json`` path that cannot be written (it failed with a
+    traceback after the whole run)."""
+    from stepops.cli.paths import check_writable_file
+
+    if path is not None:
+        try:
+            check_writable_file("--json", path)
+        except ValueError as error:
+            parser.error(str(error))
 
 
 def _positive_int(text: str) -> int:

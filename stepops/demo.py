@@ -266,6 +266,8 @@ def check_demo_args(*, device: str, backend: str, tp: int, json_path: str | None
         raise ValueError(f"--device must be auto, cpu or cuda, got {device!r}")
     if str(device).startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"--device {device}: this torch build sees no CUDA device; use --device cpu or auto")
+    if str(device).startswith("cuda:") and int(str(device)[5:]) >= torch.cuda.device_count():
+        raise ValueError(f"--device {device}: this machine has {torch.cuda.device_count()} GPUs (cuda:0 onwards)")
     dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else ("cpu" if device == "auto" else device))
     backends = torch._dynamo.list_backends(exclude_tags=())
     if backend not in backends:
@@ -283,9 +285,9 @@ def check_demo_args(*, device: str, backend: str, tp: int, json_path: str | None
     if tp > available:
         raise ValueError(f"--tp {tp} needs one {what[:-1]} per rank; this machine has {available} {what}")
     if json_path is not None:
-        directory = os.path.dirname(os.path.abspath(json_path))
-        if os.path.isdir(json_path) or not os.path.isdir(directory) or not os.access(directory, os.W_OK):
-            raise ValueError(f"--json {json_path}: not a writable file path (its directory must exist and be writable)")
+        from stepops.cli.paths import check_writable_file  # here: stepops.cli imports this module
+
+        check_writable_file("--json", json_path)
     return dev
 
 

@@ -21,6 +21,10 @@ from benchmarks.bench_attention import main as bench_attention_main
         (bench_attention_main, ["--device", "foo"], "argument --device: invalid choice: 'foo'"),
         (bench_attention_main, ["--threads", "0"], "argument --threads: must be >= 1, got 0"),
         (bench_attention_main, ["--device", "cpu", "--modes", "cudagraph"], "--modes cudagraph needs a CUDA device"),
+        # A --json that cannot be written failed with a traceback after the whole run.
+        (main, ["--json", "/no/such/dir/out.json"], "--json '/no/such/dir/out.json': not a writable file path"),
+        (main, ["static", "--json", "/"], "--json '/': not a writable file path"),
+        (bench_attention_main, ["--json", "/no/such/dir/a.json"], "--json '/no/such/dir/a.json': not a writable"),
     ],
 )
 def test_bad_options_are_argparse_errors(entry, argv, message, capsys):

@@ -208,7 +208,8 @@ def test_layout_values_below_their_minimum_are_one_line(capsys, args, message):
         (["--backend", "no-such-backend"], "--backend 'no-such-backend' is not a torch.compile backend"),
         (["--tp", "0"], "--tp must be >= 1, got 0"),
         (["--tp", "3"], "--tp 3: the demo's Inkling stack has 2 KV heads per layer, which do not split into 3"),
-        (["--json", "/no/such/dir/out.json"], "--json /no/such/dir/out.json: not a writable file path"),
+        (["--json", "/no/such/dir/out.json"], "--json '/no/such/dir/out.json': not a writable file path"),
+        (["--json", ""], "--json '': not a writable file path"),  # passed, and the demo wrote no JSON
     ],
 )
 def test_demo_bad_arguments_are_one_line_before_any_work(capsys, monkeypatch, args, message):
@@ -273,3 +274,15 @@ def test_every_option_with_a_default_names_it_in_its_help():
             if "default" not in (action.help or ""):
                 missing.append(f"{sub.prog} {action.option_strings[0]}")
     assert missing == []
+
+
+def test_demo_cuda_index_past_the_gpus_is_a_value_error(monkeypatch):
+    """``--device cuda:7`` on a one-GPU machine failed deep inside building the model."""
+    import torch
+
+    from stepops.demo import check_demo_args
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ValueError, match=r"--device cuda:7: this machine has 1 GPUs \(cuda:0 onwards\)"):
+        check_demo_args(device="cuda:7", backend="eager", tp=1, json_path=None)

@@ -63,7 +63,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--dtype", choices=_MAIN_DTYPES, default="bfloat16", help="main layer's KV cache dtype (default bfloat16)"
     )
     step5.add_argument(
-        "--page-bytes", type=int, default=None, help="main layer's page size in bytes; overrides the head numbers"
+        "--page-bytes", type=int, default=None, help="main layer's page size in bytes; overrides the head numbers and --dtype"
     )
     step5.add_argument(
         "--num-speculative-tokens", type=int, default=3, help="speculative tokens k per step (default 3)"

@@ -92,6 +92,9 @@ def bad_ids_error(op: str, checks: Sequence[IdCheck]) -> ValueError:
 
 def error_counter(device: torch.device | str = "cpu") -> torch.Tensor:
     """A zeroed int32 ``[1]`` counter to pass as an op's ``errors``: after the step it holds the number of
-    tokens whose ids a Triton kernel masked off (always 0 on CPU, where the op raises instead)."""
+    tokens whose ids a Triton kernel masked off (always 0 on CPU, where the op raises instead). ``ValueError``
+    for a CUDA device where this torch build sees none (torch raised an ``AssertionError``)."""
+    if torch.device(device).type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"error_counter: device {device} is CUDA, but this torch build sees no CUDA device")
     return torch.zeros(1, dtype=torch.int32, device=device)
 

@@ -60,3 +60,11 @@ def test_error_input_on_the_triton_kernel_masks_and_counts(case):
     case.entry.triton_kernel(*args, **kwargs)
     assert snapshot.changed_outside_views() == 0
     assert kwargs["errors"].tolist() == [1], "the one bad token must be counted once"
+
+
+def test_error_counter_on_a_cuda_device_without_cuda_is_a_value_error(monkeypatch):
+    """torch raised ``AssertionError: Torch not compiled with CUDA enabled``."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match="error_counter: device cuda:0 is CUDA, but this torch build sees no CUDA"):
+        error_counter("cuda:0")
+    assert error_counter().tolist() == [0]
