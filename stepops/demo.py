@@ -281,6 +281,8 @@ def check_demo_args(*, device: str, backend: str, tp: int, json_path: str | None
             f"--tp {tp}: the demo's Inkling stack has {heads} KV heads per layer, which do not split into {tp} "
             f"ranks of whole heads; use a divisor of {heads}"
         )
+    if tp > 1 and dev.index is not None:
+        raise ValueError(f"--tp {tp} runs rank r on cuda:r; pass --device cuda or auto, not {device}")
     available, what = (torch.cuda.device_count(), "GPUs") if dev.type == "cuda" else (os.cpu_count() or 1, "CPU cores")
     if tp > available:
         raise ValueError(f"--tp {tp} needs one {what[:-1]} per rank; this machine has {available} {what}")
