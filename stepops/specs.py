@@ -30,16 +30,22 @@ def is_int(value: object) -> bool:
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 
+def check_fits_int64(name: str, value: object) -> None:
+    """``ValueError`` for a Python int outside int64, which torch would refuse with an ``OverflowError``
+    deeper down (a ``SymInt`` is one already)."""
+    if type(value) is int and not INT64_MIN <= value <= INT64_MAX:
+        raise ValueError(f"{name} = {value} does not fit in int64")
+
+
 def check_int(name: str, value: object, minimum: int) -> None:
     """The package's one size check (also used by the layouts, the owners, the allocator, the models'
     configs and the demo): ``TypeError`` unless :func:`is_int`, ``ValueError`` below ``minimum`` or past
-    int64 (which torch would refuse with an ``OverflowError`` deeper down)."""
+    int64 (:func:`check_fits_int64`)."""
     if not is_int(value):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
     if value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    if type(value) is int and value > INT64_MAX:
-        raise ValueError(f"{name} = {value} does not fit in int64")
+    check_fits_int64(name, value)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from stepops.specs import INT64_MAX, INT64_MIN, is_int
+from stepops.specs import check_fits_int64, is_int
 
 
 def check_errors_arg(op: str, errors: torch.Tensor | None, device: torch.device) -> None:
@@ -42,8 +42,7 @@ def check_arg_types(
     for name, value in ints:
         if not is_int(value):
             raise TypeError(f"{op}: {name} must be an int, got {type(value).__name__}")
-        if type(value) is int and not INT64_MIN <= value <= INT64_MAX:
-            raise ValueError(f"{op}: {name} = {value} does not fit in int64")
+        check_fits_int64(f"{op}: {name}", value)
     for name, value in bools:
         if not isinstance(value, bool):
             raise TypeError(f"{op}: {name} must be a bool, got {type(value).__name__}")

@@ -229,6 +229,9 @@ class StepRunner:
                 )
             if s.start + len(s.inputs) > self.max_model_len:
                 raise ValueError(f"request slot {s.slot} would grow past max_model_len {self.max_model_len}")
+        inputs = torch.cat([torch.as_tensor(s.inputs) for s in batch]) if batch else None
+        if inputs is not None and self.input_kind == TOKENS:
+            self._check_token_ids(batch, inputs)
         qsl = torch.full((r + 1,), total, dtype=torch.int32)
         qsl[: len(batch) + 1] = torch.tensor([0] + lens, dtype=torch.int32).cumsum(0)
         seq_lens = torch.tensor([s.start + n for s, n in zip(batch, lens)] + [0] * (r - len(batch)), dtype=torch.int32)
@@ -244,14 +247,14 @@ class StepRunner:
         # before the call returns, so the host tensors may be freed at once.
         self._schedule.copy_(torch.cat([t.flatten() for t in schedule]), non_blocking=True)
         self.inputs.zero_()
-        if batch:
-            self.inputs[:total].copy_(torch.cat([torch.as_tensor(s.inputs) for s in batch]), non_blocking=True)
+        if inputs is not None:
+            self.inputs[:total].copy_(inputs, non_blocking=True)
         return total
 
     def _check_request(self, s: ScheduledRequest) -> None:
         """``TypeError``/``ValueError`` unless ``s`` has int ``slot`` and ``start`` (bools and floats were
         taken as ints) and inputs of this runner's kind: ``[n, hidden]`` hidden states, or ``[n]`` integer
-        token ids inside the vocabulary (checked where they are on the host: a GPU tensor would sync)."""
+        token ids (their range is checked over the whole step, :meth:`_check_token_ids`)."""
         for name in ("slot", "start"):
             if not is_int(getattr(s, name)):
                 raise TypeError(f"ScheduledRequest.{name} must be an int, got {type(getattr(s, name)).__name__}")
@@ -267,12 +270,23 @@ class StepRunner:
             raise ValueError(
                 f"request slot {s.slot}: inputs must be [n] integer token ids, got {inputs.dtype} {tuple(inputs.shape)}"
             )
+
+    def _check_token_ids(self, batch: Sequence[ScheduledRequest], ids: torch.Tensor) -> None:
+        """``ValueError`` naming the first request with an id outside the vocabulary, if the step's ids
+        ``ids`` (its requests' inputs, concatenated) have one; one min/max for the step, only for ids on the
+        host (a GPU tensor would sync)."""
         vocab = self.model.config.vocab_size
-        if inputs.device.type == "cpu" and inputs.numel() and not (0 <= int(inputs.min()) and int(inputs.max()) < vocab):
-            raise ValueError(
-                f"request slot {s.slot}: token ids must be in [0, {vocab}) (the vocabulary), got "
-                f"{int(inputs.min())}..{int(inputs.max())}"
-            )
+        if ids.device.type != "cpu" or ids.numel() == 0:
+            return
+        low, high = (int(v) for v in torch.aminmax(ids))
+        if 0 <= low and high < vocab:
+            return
+        for s in batch:  # a bad step: find its request
+            low, high = (int(v) for v in torch.aminmax(torch.as_tensor(s.inputs)))
+            if not (0 <= low and high < vocab):
+                raise ValueError(
+                    f"request slot {s.slot}: token ids must be in [0, {vocab}) (the vocabulary), got {low}..{high}"
+                )
 
     def _commit_fed(self, batch: Sequence[ScheduledRequest]) -> None:
         """Record the positions a step that ran has fed (a step that raised feeds nothing)."""

@@ -30,7 +30,8 @@ def validate_csa_ring_update_inputs(
     summary slots are -1 or in range and distinct; ``capacity`` is at most the ``rows_per_block`` the
     bases were built with (seen from their gcd); padding carries -1 everywhere, and a real token's position
     is not negative (``seq_lens`` shorter than the step) nor behind the token before it. These rule out
-    races between the Triton kernel's programs: a program reads and writes only its own request's ring rows and step rows, and no two write one row.
+    races between the Triton kernel's programs: a program reads and writes only its own request's ring rows
+    and step rows, and no two write one row.
     """
     check_csa_ring_update_args(index_k, index_z, ring, summary_cache, *metadata, capacity)
     position, chunk_start, chunk_len, ring_base, summary_slot = (m.long().cpu() for m in metadata)
