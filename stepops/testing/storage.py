@@ -11,6 +11,30 @@ from collections.abc import Iterable
 import torch
 
 
+def copy_as_views(values: Iterable[object], device: torch.device | str | None = None) -> list[object]:
+    """``values`` with each tensor replaced by the same view (shape, strides, offset) of a copy of its whole
+    storage, on ``device`` (default: where it is); each storage is copied once, so views of one buffer stay
+    views of one buffer, and a tensor passed twice stays one tensor. Non-tensors are returned as they are.
+
+    ``Tensor.to`` and ``clone`` make new, exactly sized tensors: the bytes around a guarded or page-strided
+    view and its gaps are lost, and two views of one buffer become two buffers. A test that runs a kernel
+    on a copy made here checks the same layouts, and the same bytes around them, on a GPU as on CPU.
+    """
+    storages: dict[tuple[int, torch.device], torch.Tensor] = {}
+    views: dict[int, torch.Tensor] = {}
+    copied: list[object] = []
+    for value in values:
+        if isinstance(value, torch.Tensor) and id(value) not in views:
+            target = value.device if device is None else torch.device(device)
+            key = (value.untyped_storage().data_ptr(), value.device)
+            if key not in storages:
+                storages[key] = _storage_bytes(value).to(target, copy=True)
+            view = torch.empty(0, dtype=value.dtype, device=target)
+            views[id(value)] = view.set_(storages[key].untyped_storage(), value.storage_offset(), value.shape, value.stride())
+        copied.append(views[id(value)] if isinstance(value, torch.Tensor) else value)
+    return copied
+
+
 def _storage_bytes(tensor: torch.Tensor) -> torch.Tensor:
     """A uint8 view of every byte of ``tensor``'s storage."""
     return torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(tensor.untyped_storage())

@@ -27,7 +27,7 @@ from stepops.ops.csa_ring_update.reference import csa_ring_update_reference, fol
 from stepops.ops.csa_ring_update.samples import SUMMARY_BLOCK_SIZE, make_step
 from stepops.ops.csa_ring_update.triton_kernel import fold_step, csa_ring_update_triton
 from stepops.ops.csa_ring_update.validate import validate_csa_ring_update_inputs
-from stepops.testing import TOLERANCES, op_samples
+from stepops.testing import TOLERANCES, copy_as_views, op_samples
 
 _SAMPLES = list(op_samples(op_name="csa_ring_update"))
 _SOFTMAX_TOLERANCE = TOLERANCES["csa_ring_summary_vs_softmax"]
@@ -156,10 +156,8 @@ def test_triton_kernel_matches_torch_kernel_bitwise(sample):
     """Same bits everywhere: both kernels fold with the same IEEE fp32 operations in the same order, the
     exp included (test_csa_ring_update_exp.py)."""
     op, args, kwargs = sample
-    cloned = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+    triton_args = copy_as_views(args, triton_device())  # the samples' page-strided, guarded layouts too
     op(*args, **kwargs)
-    device = triton_device()
-    triton_args = [a.to(device) if isinstance(a, torch.Tensor) else a for a in cloned]
     csa_ring_update_triton(*triton_args, **kwargs)
     assert torch.equal(triton_args[2].cpu().view(torch.int16), args[2].view(torch.int16))
     assert torch.equal(triton_args[3].cpu().view(torch.uint8), args[3].view(torch.uint8))
@@ -223,7 +221,7 @@ def test_empty_rows_p0_run_on_both_kernels():
     args[2] = torch.zeros(args[2].shape[0], 0, dtype=torch.bfloat16)
     torch.ops.stepops.csa_ring_update(*args)
     device = triton_device()
-    csa_ring_update_triton(*[a.to(device) if isinstance(a, torch.Tensor) else a for a in args])
+    csa_ring_update_triton(*copy_as_views(args, device))
 
 # ------------------------------------------------------------------------------------------------------
 # Bad input

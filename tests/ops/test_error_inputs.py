@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from stepops.ops.bounds import error_counter
-from stepops.testing import StorageSnapshot, op_error_inputs
+from stepops.testing import StorageSnapshot, copy_as_views, op_error_inputs
 
 from conftest import triton_device
 
@@ -48,7 +48,7 @@ def test_error_input_raises_its_error_and_changes_no_byte(case, mode):
 def test_error_input_on_the_triton_kernel_masks_and_counts(case):
     sample = case.error.sample
     device = triton_device()
-    args = [a.to(device) if isinstance(a, torch.Tensor) and device.type != "cpu" else a for a in sample.args]
+    args = copy_as_views(sample.args, device)  # the guard bytes around each cache go along
     if not case.error.data:
         snapshot = StorageSnapshot([*args, *sample.kwargs.values()])
         with pytest.raises(case.error.error_type, match=case.error.error_regex):

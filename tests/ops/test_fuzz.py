@@ -14,7 +14,7 @@ import torch
 
 from stepops._library import guarded, registered_ops
 from stepops.ops.bounds import error_counter
-from stepops.testing import StorageSnapshot, op_samples
+from stepops.testing import StorageSnapshot, copy_as_views, op_samples
 
 from conftest import triton_device
 
@@ -78,7 +78,7 @@ def test_both_kernels_write_only_their_tensors_and_agree_on_bad_ids(op_name):
             assert snapshot.changed_bytes() == 0, f"{where}: raised after writing"
         assert snapshot.changed_outside_views() == 0, where
 
-        args = [a.to(device) if isinstance(a, torch.Tensor) else a for a in make_args()]
+        args = copy_as_views(make_args(), device)  # the guard bytes around each cache go along
         errors = error_counter(device)
         snapshot = StorageSnapshot([*args, errors])
         entry.triton_kernel(*args, **kwargs, errors=errors)

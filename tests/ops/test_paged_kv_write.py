@@ -11,7 +11,7 @@ from stepops.ops.paged_kv_write.reference import paged_kv_write_reference
 from stepops.ops.paged_kv_write.torch_kernel import paged_kv_write_torch
 from stepops.ops.paged_kv_write.triton_kernel import paged_kv_write_triton
 from stepops.ops.paged_kv_write.validate import validate_paged_kv_write_inputs
-from stepops.testing import op_samples
+from stepops.testing import copy_as_views, op_samples
 from conftest import triton_device
 
 _SAMPLES = list(op_samples(op_name="paged_kv_write"))
@@ -47,9 +47,9 @@ def test_triton_kernel_matches_torch_kernel_bitwise(sample):
     want_k, want_v = key_cache.clone(), value_cache.clone()
     torch.ops.stepops.paged_kv_write(key, value, want_k, want_v, slots)
     # The caches start random: an unwritten slot keeps its bits, a wrongly written one changes them.
-    got_k, got_v = key_cache.to(device), value_cache.to(device)
-    paged_kv_write_triton(key.to(device), value.to(device), got_k, got_v, slots.to(device))
-    assert torch.equal(got_k.cpu(), want_k) and torch.equal(got_v.cpu(), want_v)
+    moved = copy_as_views(sample.args, device)  # page-strided caches stay page-strided
+    paged_kv_write_triton(*moved)
+    assert torch.equal(moved[2].cpu(), want_k) and torch.equal(moved[3].cpu(), want_v)
 
 
 def test_padding_only_writes_nothing():
@@ -188,8 +188,8 @@ def test_both_kernels_copy_the_bits_of_any_dtype(dtype):
     paged_kv_write_reference(key, value, *want, slots)
     kernels = ((torch.ops.stepops.paged_kv_write, torch.device("cpu")), (paged_kv_write_triton, triton_device()))
     for kernel, device in kernels:
-        got = [c.clone().to(device) for c in caches]
-        kernel(key.to(device), value.to(device), *got, slots.to(device))
+        moved_key, moved_value, *got, moved_slots = copy_as_views((key, value, *caches, slots), device)
+        kernel(moved_key, moved_value, *got, moved_slots)
         assert all(torch.equal(g.cpu().view(torch.uint8), w.view(torch.uint8)) for g, w in zip(got, want)), kernel
 
 

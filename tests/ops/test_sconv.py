@@ -23,7 +23,7 @@ from stepops.ops.sconv.torch_kernel import silu_fp32
 from stepops.ops.sconv.triton_kernel import sconv_triton, silu_fp32 as triton_silu_fp32
 from stepops.ops.sconv.validate import validate_sconv_inputs
 from stepops.ops.bounds import error_counter
-from stepops.testing import TOLERANCES, op_samples
+from stepops.testing import TOLERANCES, copy_as_views, op_samples
 
 _SAMPLES = list(op_samples(op_name="sconv"))
 _DOCS = Path(__file__).resolve().parents[2] / "docs" / "ops.md"
@@ -78,8 +78,7 @@ def test_triton_kernel_matches_torch_kernel(sample):
     x, weight, cache, block_table, metadata, offset = _split(sample.args)
     cache_want = cache.clone()
     y_want = torch.ops.stepops.sconv(x, weight, cache_want, block_table, *metadata, offset, **sample.kwargs)
-    cache_got = cache.to(device)
-    moved = [t.to(device) for t in (x, weight, block_table, *metadata)]
+    cache_got, *moved = copy_as_views((cache, x, weight, block_table, *metadata), device)
     y_got = sconv_triton(moved[0], moved[1], cache_got, moved[2], *moved[3:], offset, **sample.kwargs).cpu()
     assert torch.equal(cache_got.cpu(), cache_want)
     if sample.kwargs["silu"]:
