@@ -1,7 +1,9 @@
 """``benchmarks/gpu_check.sh`` on a machine without a GPU stops at once with one line saying so, instead of
-running its parts' 445 s of limits on CPU fallbacks; its test part collects on a machine without transformers."""
+running its parts' 320 s of limits on CPU fallbacks; its test part collects on a machine without
+transformers and expecttest; an unknown part stops it before any part runs."""
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -35,15 +37,22 @@ def test_a_python_without_torch_stops_before_any_part(tmp_path):
     assert "=== gpu_tests" not in result.stdout
 
 
-def test_its_gpu_tests_collect_without_transformers(tmp_path):
-    """GPU machines may lack transformers: the pytest run of the ``gpu_tests`` part, its arguments read from
-    the script, collects every module with ``import transformers`` failing (test_inkling_multimodal, which
-    imports it, was not ignored)."""
-    script = _SCRIPT.read_text()
-    command = script[script.index("part gpu_tests") : script.index("--junitxml")].replace("\\\n", " ").split()
-    args = command[command.index("pytest") + 1 :]
-    block = "import sys; sys.modules['transformers'] = None; import pytest; "
-    run = f"{block}sys.exit(pytest.main({args + ['--collect-only', '-p', 'no:cacheprovider']!r}))"
+def test_an_unknown_part_stops_before_any_part(tmp_path):
+    result = subprocess.run(["bash", str(_SCRIPT), str(tmp_path), "gpu_tests", "benchmark"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "unknown part 'benchmark'" in result.stderr
+    assert "=== gpu_tests" not in result.stdout
+
+
+def test_its_gpu_tests_collect_without_transformers_and_expecttest():
+    """GPU machines may lack transformers and expecttest (the lent H200 image has neither in its package
+    list): the ``gpu_tests`` part's test paths, read from the script, collect with both imports failing.
+    test_inkling_multimodal (transformers) and test_compile (expecttest) once broke its collection."""
+    paths = re.search(r"^gpu_test_paths=\((.*)\)$", _SCRIPT.read_text(), re.MULTILINE).group(1).split()
+    assert "tests/models/test_cudagraph.py" in paths
+    block = "import sys; sys.modules['transformers'] = sys.modules['expecttest'] = None; import pytest; "
+    run = f"{block}sys.exit(pytest.main({paths + ['--collect-only', '-q', '-p', 'no:cacheprovider']!r}))"
     root = _SCRIPT.parents[1]
     result = subprocess.run([sys.executable, "-c", run], capture_output=True, text=True, timeout=300, cwd=root)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "test_cuda_graph_replay_equals_eager" in result.stdout
