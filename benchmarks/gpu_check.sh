@@ -25,9 +25,10 @@ done
 # The tests that differ on a GPU, GPU-only ones first: CUDA-graph capture and replay, the launchers' device
 # guard, the model steps with the Triton kernels against the recomputes, and every op test, where the Triton
 # kernels run compiled instead of under the interpreter. The rest of the suite runs the same CPU code on any
-# machine (CI runs it). These modules import neither transformers nor expecttest, which a GPU machine may
+# machine (CI runs it), as does tests/ops' Inductor compile of the PyTorch kernels, which is CPU code and
+# the slowest op test (~40 s). These modules import neither transformers nor expecttest, which a GPU machine may
 # lack (tests/test_gpu_check_script.py checks that they collect without them).
-gpu_test_paths=(tests/models/test_cudagraph.py tests/models/test_gpu_hazards.py tests/models/test_incremental.py tests/test_storage.py tests/ops)
+gpu_test_paths=(tests/models/test_cudagraph.py tests/models/test_gpu_hazards.py tests/models/test_incremental.py tests/test_storage.py tests/ops --ignore=tests/ops/test_torch_kernels_compiled.py)
 mkdir -p "$out"
 # The GPU machines' interpreter is python3 (with their CUDA torch); a checkout's .venv holds a CPU wheel.
 py="${PYTHON:-$(command -v python3 || command -v python || echo python3)}"
