@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from stepops.specs import check_int, is_int
+from stepops.specs import check_fits_int64, check_int, is_int
 
 # One [index_k | index_z] bf16 row: (proxy_dim 256 + pooling logits 256) * 2 bytes.
 ROW_BYTES = 1024
@@ -312,6 +312,7 @@ class InklingConvStateLayout:
             raise TypeError(f"dtype must be a torch.dtype, got {type(self.dtype).__name__}")
         if self.dtype != torch.bfloat16:
             raise ValueError(f"sconv SWA cache supports bfloat16 only, got {self.dtype}")
+        check_fits_int64("sconv SWA cache head size D", self.head_size)
 
     @property
     def local_num_kv_heads(self) -> int:
@@ -382,7 +383,9 @@ class InklingConvStateLayout:
 
     def page_bytes(self, block_size: int | None = None) -> int:
         """Bytes of one block: ``H * N * D * 2``."""
-        return self.local_num_kv_heads * self._block_size(block_size) * self.head_size * self.dtype.itemsize
+        page_bytes = self.local_num_kv_heads * self._block_size(block_size) * self.head_size * self.dtype.itemsize
+        check_fits_int64("sconv SWA cache page bytes (H * N * D * 2)", page_bytes)
+        return page_bytes
 
     def bind(self, kv_cache: torch.Tensor) -> BoundInklingConvState:
         """Bind a layer's cache ``[num_blocks, H, N, D]`` bf16; ``N`` (>= ``kernel_size``) is read from it.

@@ -13,6 +13,7 @@ import sys
 import pytest
 
 from stepops.cli import build_parser, main
+from stepops.cli.paths import check_writable_file
 from stepops.layouts import InklingStream
 
 
@@ -176,6 +177,21 @@ def test_step5_block_size_whose_page_is_partial_rows_names_the_cause(capsys):
     assert second == "smallest block size that fits at 1152 B per token: 16 (page 18432 B, capacity 18 rows)"
 
 
+def test_step5_page_bytes_without_block_size_advises_no_block_size(capsys):
+    """The per-token size of a given page needs the block size it is for: divided by the default 64, it
+    advised block 96 for a page whose real block of 16 needs 32, next to "increase --page-bytes"."""
+    assert main(["layout", "step5", "--page-bytes", "10240", "--num-speculative-tokens", "4"]) == 1
+    assert capsys.readouterr().err == (
+        "Step5 CSA tail ring needs 11 rows of 1024 bytes in one 10240-byte KV page; increase --page-bytes.\n"
+    )
+    assert main(["layout", "step5", "--page-bytes", "10240", "--block-size", "16", "--num-speculative-tokens", "4"]) == 1
+    assert capsys.readouterr().err.splitlines()[1] == (
+        "smallest block size that fits at 640 B per token: 32 (page 20480 B, capacity 20 rows)"
+    )
+    assert main(["layout", "step5", "--page-bytes", "65536"]) == 0
+    assert _row(capsys.readouterr().out, "smallest block size").startswith("n/a (per-token size unknown")
+
+
 def test_step5_page_bytes_too_small_names_page_bytes_and_prints_no_block_size_line(capsys):
     # 100 B over 64 tokens is no whole per-token size: there is no block-size line to print.
     assert main(["layout", "step5", "--page-bytes", "100"]) == 1
@@ -193,9 +209,18 @@ def test_step5_page_bytes_too_small_names_page_bytes_and_prints_no_block_size_li
         (["step5", "--head-size-v", "-1"], "--head-size-v must be >= 0, got -1"),
         (["inkling", "--tp-size", "0"], "--tp-size must be >= 1, got 0"),
         (["inkling", "--block-size", "-4"], "--block-size must be >= 1, got -4"),
+        # Past int64: the message named no flag, and a block-size line from the overflowed page followed.
+        (["step5", "--page-bytes", str(2**63)], f"--page-bytes must fit in int64 (at most {2**63 - 1}), got {2**63}"),
+        (["step5", "--block-size", "9" * 23], f"--block-size must fit in int64 (at most {2**63 - 1}), got {'9' * 23}"),
+        # Derived sizes past int64: exit 0 with a page the owner and the allocator then refused.
+        (["inkling", "--head-dim", str(2**62)], f"sconv SWA cache head size D = {2**64} does not fit in int64"),
+        (
+            ["inkling", "--kernel-size", str(2**63 - 1)],
+            f"sconv SWA cache page bytes (H * N * D * 2) = {8 * (2**63 - 1) * 2048 * 2} does not fit in int64",
+        ),
     ],
 )
-def test_layout_values_below_their_minimum_are_one_line(capsys, args, message):
+def test_layout_values_out_of_range_are_one_line(capsys, args, message):
     assert main(["layout", *args]) == 1
     captured = capsys.readouterr()
     assert captured.out == "" and captured.err == message + "\n"
@@ -210,6 +235,9 @@ def test_layout_values_below_their_minimum_are_one_line(capsys, args, message):
         (["--tp", "3"], "--tp 3: the demo's Inkling stack has 2 KV heads per layer, which do not split into 3"),
         (["--json", "/no/such/dir/out.json"], "--json '/no/such/dir/out.json': not a writable file path"),
         (["--json", ""], "--json '': not a writable file path"),  # passed, and the demo wrote no JSON
+        # Passed the directory-based check, then lost the whole run's results to a traceback at the end:
+        (["--json", "/tmp/out.json/"], "--json '/tmp/out.json/': not a writable file path"),
+        (["--json", "/tmp/" + "a" * 300 + ".json"], "--json '/tmp/" + "a" * 300 + ".json': not a writable file path"),
     ],
 )
 def test_demo_bad_arguments_are_one_line_before_any_work(capsys, monkeypatch, args, message):
@@ -290,3 +318,11 @@ def test_demo_cuda_index_past_the_gpus_is_a_value_error(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     with pytest.raises(ValueError, match="--tp 2 runs rank r on cuda:r; pass --device cuda or auto, not cuda:1"):
         check_demo_args(device="cuda:1", backend="eager", tp=2, json_path=None)
+
+
+def test_the_output_path_check_leaves_no_file_behind_and_no_byte_changed(tmp_path):
+    new, existing = tmp_path / "new.json", tmp_path / "old.json"
+    existing.write_text("results")
+    check_writable_file("--json", new)
+    check_writable_file("--json", existing)
+    assert not new.exists() and existing.read_text() == "results"

@@ -5,7 +5,8 @@ Without a model, prints both layouts with their defaults. The defaults are illus
 your model's numbers. A flag below its minimum is one line on stderr, exit 1. When the layout does not
 fit, prints the layout's error text to stderr (the seed's, exactly, as the first line; with
 ``--page-bytes`` its advice names that flag instead of the block size), then, for the CSA ring with a known
-per-token size, the smallest block size that fits, and exits 1.
+per-token size (from the head numbers, or ``--page-bytes`` over a ``--block-size`` given with it), the
+smallest block size that fits, and exits 1.
 """
 
 from __future__ import annotations
@@ -24,8 +25,9 @@ from stepops.layouts import (
     InklingStream,
     smallest_block_size,
 )
-from stepops.specs import AttentionSpec
+from stepops.specs import INT64_MAX, AttentionSpec
 
+_STEP5_BLOCK_SIZE = 64
 _ILLUSTRATIVE = "Defaults are illustrative numbers, not a published model configuration."
 _MAIN_DTYPES = ("bfloat16", "float16", "float8_e4m3fn")
 # The layout's errors advise on the block size (the seed's wording). With --page-bytes the page no longer
@@ -53,7 +55,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "attention layer. Give the main layer's numbers (per rank) or its --page-bytes. "
         "Defaults: an MLA-style main layer (one 576-wide latent per token, bf16). " + _ILLUSTRATIVE,
     )
-    step5.add_argument("--block-size", type=int, default=64, help="main layer's block size (default 64)")
+    step5.add_argument("--block-size", type=int, default=None, help=f"main layer's block size (default {_STEP5_BLOCK_SIZE})")
     step5.add_argument("--num-kv-heads", type=int, default=1, help="main layer's KV heads per rank (default 1)")
     step5.add_argument("--head-size", type=int, default=576, help="main layer's key head size (default 576)")
     step5.add_argument(
@@ -104,12 +106,15 @@ def _run_both(args: argparse.Namespace) -> int:
 
 
 def _check_flags(args: argparse.Namespace, minimums: dict[str, int]) -> str | None:
-    """The first flag below its minimum, as the one line to print; checked before any layout arithmetic, so
-    no line about block sizes follows a nonsense value."""
+    """The first flag below its minimum or past int64, as the one line to print; checked before any layout
+    arithmetic, so no line about block sizes follows a nonsense value."""
     for name, minimum in minimums.items():
         value = getattr(args, name)
+        flag = f"--{name.replace('_', '-')}"
         if value is not None and value < minimum:
-            return f"--{name.replace('_', '-')} must be >= {minimum}, got {value}"
+            return f"{flag} must be >= {minimum}, got {value}"
+        if value is not None and value > INT64_MAX:
+            return f"{flag} must fit in int64 (at most {INT64_MAX}), got {value}"
     return None
 
 
@@ -123,18 +128,19 @@ def _run_step5(args: argparse.Namespace) -> int:
     if bad:
         print(bad, file=sys.stderr)
         return 1
+    block_size = _STEP5_BLOCK_SIZE if args.block_size is None else args.block_size
     try:
         if args.page_bytes is None:
             dtype = getattr(torch, args.dtype)
             spec = AttentionSpec(
-                block_size=args.block_size,
+                block_size=block_size,
                 num_kv_heads=args.num_kv_heads,
                 head_size=args.head_size,
                 head_size_v=args.head_size_v,
                 dtype=dtype,
             )
             page_bytes = spec.page_size_bytes
-            per_token = page_bytes // args.block_size
+            per_token = page_bytes // block_size
             dtype_bytes = dtype.itemsize
             main = (
                 f"{args.num_kv_heads} KV head(s) x ({args.head_size} + {args.head_size_v}) x {dtype_bytes} B"
@@ -147,10 +153,11 @@ def _run_step5(args: argparse.Namespace) -> int:
     except (ValueError, TypeError) as error:
         print(error, file=sys.stderr)
         return 1
-    if per_token is None and args.block_size > 0 and page_bytes % args.block_size == 0:
-        per_token = page_bytes // args.block_size
+    # A page's per-token size needs the block size it was given for, not the default one.
+    if per_token is None and args.block_size is not None and page_bytes % block_size == 0:
+        per_token = page_bytes // block_size
     try:
-        layout = CSATailRingLayout(page_bytes=page_bytes, block_size=args.block_size, num_speculative_tokens=k)
+        layout = CSATailRingLayout(page_bytes=page_bytes, block_size=block_size, num_speculative_tokens=k)
     except (ValueError, TypeError) as error:
         message = str(error)  # the layout's (the seed's) text, exactly, as the first line...
         if args.page_bytes is not None:  # ...advising on the flag the user actually passed
@@ -162,7 +169,7 @@ def _run_step5(args: argparse.Namespace) -> int:
                   file=sys.stderr)
         return 1
 
-    smallest = "n/a (per-token size unknown)"
+    smallest = "n/a (per-token size unknown: give --block-size with --page-bytes)"
     if per_token is not None:
         smallest = _smallest_block_size(per_token, k)
     _print_table(
