@@ -39,6 +39,7 @@ way. Both caches hold only the rank's KV heads; each output-stream conv runs on 
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import Any
@@ -661,13 +662,17 @@ _REPLICATED_IN_LAYER = (
 _REPLICATED_IN_MODEL = ("embed_tokens.weight", "embed_norm.weight", "norm.weight", "lm_head.weight")
 
 
+_MODEL_LAYER_KEY = re.compile(r"layers\.\d+\.(.+)")
+
+
 def inkling_sharding(keys: list[str] | Mapping[str, Any]) -> dict[str, ShardRule | None]:
     """Each key of an Inkling model (``layers.N.q_proj.weight``, ``lm_head.weight``) or layer
     (``q_proj.weight``) state dict -> its :class:`ShardRule`, ``None`` when replicated; ``ValueError`` for a
     key with no rule (a new parameter must say how it shards, not be replicated by accident)."""
     rules: dict[str, ShardRule | None] = {}
     for key in keys:
-        name = key.split(".", 2)[2] if key.startswith("layers.") else key
+        layer_key = _MODEL_LAYER_KEY.fullmatch(key)
+        name = layer_key.group(1) if layer_key else key
         if name in _LAYER_SHARDING:
             rules[key] = _LAYER_SHARDING[name]
         elif name in _REPLICATED_IN_LAYER or (name == key and key in _REPLICATED_IN_MODEL):

@@ -32,7 +32,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.multiprocessing as mp
 
-from stepops.specs import is_int
+from stepops.specs import check_int, is_int
 
 # torch 2.13 has the dim-aware functional collectives as *_single and deprecates the *_tensor names (they
 # warn in eager); a release without *_single has the *_tensor names. Same signature, same graph ops.
@@ -53,6 +53,9 @@ class TensorParallel:
         """``None`` (or a group of one) is the unsharded layer; otherwise this process's rank in ``group``."""
         if group is None:
             return cls()
+        # What dist.new_group returns on a rank outside the group (an int, not a group).
+        if group is dist.GroupMember.NON_GROUP_MEMBER:
+            raise ValueError("this process is not a member of process_group")
         if not isinstance(group, dist.ProcessGroup):
             raise TypeError(
                 f"process_group must be a torch.distributed.ProcessGroup or None, got {type(group).__name__}"
@@ -172,6 +175,7 @@ def spawn_ranks(
     finishes leaves the group and exits at once (``os._exit``): whatever it reports must be written or
     printed by ``fn`` itself.
     """
+    check_int("tp_size", tp_size, 1)
     with tempfile.TemporaryDirectory(prefix="stepops-tp-") as tmp:
         init_file = os.path.join(tmp, "rendezvous")
         mp.spawn(_rank_main, args=(fn, tp_size, init_file, backend, timeout, args), nprocs=tp_size)

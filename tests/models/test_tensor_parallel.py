@@ -256,6 +256,10 @@ def test_shard_refuses_tp_above_kv_heads_and_unknown_keys():
         shard_inkling_state_dict({**full, "layers.0.extra": torch.zeros(1)}, CONFIG, tp_rank=0, tp_size=2)
     with pytest.raises(ValueError, match="tp_rank < tp_size"):
         shard_inkling_state_dict(full, CONFIG, tp_rank=2, tp_size=2)
+    # Keys that are not layers.<index>.<parameter>: an IndexError, and a rule for a non-numeric layer.
+    for key in ("layers.0", "layers.foo.q_proj.weight"):
+        with pytest.raises(ValueError, match=f"no sharding rule for '{key}'"):
+            inkling_sharding([key])
 
 
 def test_shard_state_dict_slices_by_hand():
@@ -293,6 +297,23 @@ def test_no_group_is_one_rank():
     from stepops.models.tensor_parallel import TensorParallel
 
     assert TensorParallel.from_group(None) == TensorParallel(None, 1, 0)
+
+
+def test_a_group_this_rank_is_not_in_says_so():
+    """On a rank outside it, ``dist.new_group`` returns an int, which was a TypeError about the type."""
+    import torch.distributed as dist
+
+    from stepops.models.tensor_parallel import TensorParallel
+
+    with pytest.raises(ValueError, match="this process is not a member of process_group"):
+        TensorParallel.from_group(dist.GroupMember.NON_GROUP_MEMBER)
+
+
+@pytest.mark.parametrize("tp_size", [0, -1])
+def test_spawning_no_rank_is_a_value_error(tp_size):
+    """It returned at once with ``fn`` never run."""
+    with pytest.raises(ValueError, match=f"tp_size must be >= 1, got {tp_size}"):
+        spawn_ranks(print, tp_size)
 
 
 def test_tensor_parallel_imports_no_model():
