@@ -72,7 +72,7 @@ TOLERANCES: dict[str, Tolerance] = {
         atol=0.0,
         rtol=2**-7,
         why="a decoder stack's committed outputs, incremental with caches vs the full recompute, both eager on "
-        "CPU: not bitwise, because the layers' attention (einsum over gathered keys) and the recompute's "
+        "CPU: not bitwise, because the layers' attention (an online softmax over key chunks) and the recompute's "
         "scaled_dot_product_attention sum in other orders, so a bf16-rounded attention output can land one "
         "ulp apart (seen: model seed 5). That flip propagates through the rest of its layer and each later "
         "layer at the scale of the residual stream, not of each output element (near-0 outputs were 32 ulps "
