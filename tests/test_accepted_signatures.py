@@ -213,3 +213,20 @@ def test_dynamo_traces_the_checks_whole_and_ignores_the_memo(entry):
         entry.fake(*sample.args, **sample.kwargs)  # the memo changes
     compiled(*first.args, **first.kwargs)
     assert counter.frame_count == 1
+
+
+def test_promoting_a_signature_another_thread_let_go_is_a_no_op():
+    """A call matches a signature; before it promotes it, another thread's ``remember`` lets it go (the
+    memo holds SIZE). ``tuple.index`` raised a ValueError into that op call."""
+    memo = AcceptedSignatures()
+    tensors, _ = _signature()
+    memo.remember(tensors, 0)
+    matched = memo.entries[0]
+    for scalar in range(1, AcceptedSignatures.SIZE + 1):
+        memo.remember(tensors, scalar)
+    assert all(entry is not matched for entry in memo.entries)
+    before = memo.entries
+    memo.promote(matched)
+    assert memo.entries == before
+    memo.promote(before[-1])
+    assert memo.entries[0] is before[-1] and len(memo.entries) == AcceptedSignatures.SIZE

@@ -80,9 +80,13 @@ class AcceptedSignatures:
         self.entries: tuple[Accepted, ...] = ()
 
     def promote(self, accepted: Accepted) -> None:
-        """Move ``accepted``, one of :attr:`entries` that a call matched, to the front."""
-        i = self.entries.index(accepted)
-        self.entries = (accepted, *self.entries[:i], *self.entries[i + 1 :])
+        """Move ``accepted``, one of :attr:`entries` that a call matched, to the front. A no-op when it is
+        gone: another thread's :meth:`remember` may have let it go since the call matched it."""
+        entries = self.entries
+        for i, entry in enumerate(entries):
+            if entry is accepted:
+                self.entries = (accepted, *entries[:i], *entries[i + 1 :])
+                return
 
     def remember(
         self,
