@@ -54,6 +54,10 @@ SLIDING = "sliding"
 CSA = "csa"
 # The deployed router kernel's guard on the renormalising sum (model.py ROUTER_RENORM_EPS).
 ROUTER_RENORM_EPS = 1e-20
+# fp8 experts (kernel.py): weights in 128 x 128 blocks of one scale, GEMM inputs rounded per 128 along K, each
+# block's scale max(amax, FP8_AMAX_FLOOR) / 448.
+FP8_BLOCK = 128
+FP8_AMAX_FLOOR = 1e-10
 # Regions the CSA indexer scores at a time: its transient memory is [T, chunk, 256] summaries, whatever the
 # context (a 16k-token context is 2048 regions: 16 chunks unrolled into the step's graph).
 INDEXER_REGIONS_PER_CHUNK = 128
@@ -299,6 +303,16 @@ def round_to_e4m3(x: torch.Tensor) -> torch.Tensor:
     return x.clamp(-fp8_max, fp8_max).to(torch.float8_e4m3fn).float()
 
 
+def round_to_e4m3_blocks(x: torch.Tensor) -> torch.Tensor:
+    """``x [..., K]`` as an fp8 expert GEMM of the reference sees it, in fp32: each row's blocks of
+    :data:`FP8_BLOCK` along ``K`` (the last one ragged) rounded to e4m3 with the scale
+    ``max(amax, 1e-10) * (1 / 448)`` of the block (``act_quant``), times that scale."""
+    num_features = x.shape[-1]
+    blocks = F.pad(x.float(), (0, -num_features % FP8_BLOCK)).unflatten(-1, (-1, FP8_BLOCK))
+    scale = blocks.abs().amax(-1, keepdim=True).clamp(min=FP8_AMAX_FLOOR) * (1.0 / torch.finfo(torch.float8_e4m3fn).max)
+    return (round_to_e4m3(blocks * (1.0 / scale)) * scale).flatten(-2)[..., :num_features]
+
+
 def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
     """``silu(gate).clamp(max=limit) * up.clamp(-limit, limit)`` in fp32, rounded once to ``gate.dtype``."""
     return (F.silu(gate.float()).clamp(max=limit) * up.float().clamp(-limit, limit)).to(gate.dtype)
@@ -319,12 +333,36 @@ class Step5MLP(nn.Module):
 
 
 class StackedExpertWeight(nn.Module):
-    """One ``[num_experts, out, in]`` weight (the checkpoint's ``moe.{gate,up,down}_proj.weight``)."""
+    """One ``[num_experts, out, in]`` weight (the checkpoint's ``moe.{gate,up,down}_proj.weight``).
+
+    ``fp8``: loaded from e4m3 codes with 128 x 128 block scales (:meth:`load`). The weight is then held
+    dequantised in fp32 (an e4m3 code times its fp32 scale is off by 2**-24 there, by 2**-9 in bf16), and the
+    reference's fp8 GEMM rounds its input to e4m3 as well (:func:`round_to_e4m3_blocks`): :meth:`matmul_input`.
+    """
 
     def __init__(self, num_experts: int, out_features: int, in_features: int, dtype: torch.dtype) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num_experts, out_features, in_features, dtype=dtype))
         nn.init.uniform_(self.weight, -(in_features**-0.5), in_features**-0.5)
+        self.built_dtype = dtype
+        self.fp8 = False
+
+    def load(self, weight: torch.Tensor, *, fp8: bool) -> None:
+        """Hold a checkpoint's ``weight`` (this one's shape): with ``fp8``, its e4m3 codes times their block
+        scales (``step5_weights.dequantize_fp8_blocks``) in fp32; otherwise in the dtype it was built with."""
+        dtype = torch.float32 if fp8 else self.built_dtype
+        with torch.no_grad():
+            if self.weight.dtype == dtype:
+                self.weight.copy_(weight)
+            else:
+                held = weight.to(device=self.weight.device, dtype=dtype)
+                self.weight = nn.Parameter(held, requires_grad=self.weight.requires_grad)
+        self.fp8 = fp8
+
+    def matmul_input(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` as this weight's GEMM takes it: rounded to e4m3 per block in fp32 for an fp8 weight (the
+        product then sums in fp32, as the reference's ``fp8_gemm``), as it is otherwise."""
+        return round_to_e4m3_blocks(x) if self.fp8 else x
 
 
 class Step5MoE(nn.Module):
@@ -347,7 +385,8 @@ class Step5MoE(nn.Module):
 
     They differ only where a GEMM's blocking depends on its row count (1 row per (token, slot) against ``T``
     rows): in bf16 on CPU bitwise equal (tests/models/test_moe_small_step.py), in fp32 a few ulps of a dot
-    product. Expert weights are whatever the parameters hold (fp8 checkpoints are dequantised at load).
+    product. An fp8 checkpoint's experts are held dequantised in fp32 and their GEMMs take inputs rounded to
+    e4m3 and sum in fp32, as the reference's ``fp8_gemm`` (:class:`StackedExpertWeight`).
     """
 
     def __init__(self, config: Step5Config, dtype: torch.dtype) -> None:
@@ -390,10 +429,14 @@ class Step5MoE(nn.Module):
         """``[T, k, hidden]``: every expert on every token (one GEMM), the outputs of ``ids [T, k]`` gathered."""
         num_tokens = x.shape[0]
         num_experts, inner, hidden = self.gate_proj.weight.shape
-        gate = F.linear(x, self.gate_proj.weight.reshape(num_experts * inner, hidden)).view(num_tokens, num_experts, inner)
-        up = F.linear(x, self.up_proj.weight.reshape(num_experts * inner, hidden)).view(num_tokens, num_experts, inner)
-        act = clamped_swiglu(gate, up, self.limit).transpose(0, 1)  # [E, T, I]
-        expert_out = torch.bmm(act, self.down_proj.weight.transpose(1, 2))  # [E, T, hidden] bf16
+
+        def every_expert(proj: StackedExpertWeight) -> torch.Tensor:  # [T, E, I] in x's dtype
+            flat = F.linear(proj.matmul_input(x), proj.weight.reshape(num_experts * inner, hidden))
+            return flat.to(x.dtype).view(num_tokens, num_experts, inner)
+
+        act = clamped_swiglu(every_expert(self.gate_proj), every_expert(self.up_proj), self.limit).transpose(0, 1)
+        down = self.down_proj
+        expert_out = torch.bmm(down.matmul_input(act), down.weight.transpose(1, 2)).to(x.dtype)  # [E, T, hidden]
         return expert_out.transpose(0, 1).gather(1, ids[:, :, None].expand(-1, -1, hidden))
 
     def chosen_experts(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -401,12 +444,13 @@ class Step5MoE(nn.Module):
         num_tokens, top_k = ids.shape
         flat = ids.flatten()
 
-        def gathered(weight: torch.Tensor) -> torch.Tensor:  # [E, out, in] -> [T, k, in, out] (W^T per slot)
-            return weight.index_select(0, flat).view(num_tokens, top_k, *weight.shape[1:]).transpose(-1, -2)
+        def chosen(proj: StackedExpertWeight, rows: torch.Tensor) -> torch.Tensor:  # rows [T, k|1, 1, in]
+            weight = proj.weight.index_select(0, flat).view(num_tokens, top_k, *proj.weight.shape[1:])
+            return (proj.matmul_input(rows) @ weight.transpose(-1, -2)).to(x.dtype)  # W^T per (token, slot)
 
         row = x[:, None, None, :]  # one row per (token, slot), as F.linear's row-times-W^T
-        act = clamped_swiglu(row @ gathered(self.gate_proj.weight), row @ gathered(self.up_proj.weight), self.limit)
-        return (act @ gathered(self.down_proj.weight))[:, :, 0]  # [T, k, hidden] bf16
+        act = clamped_swiglu(chosen(self.gate_proj, row), chosen(self.up_proj, row), self.limit)
+        return chosen(self.down_proj, act)[:, :, 0]  # [T, k, hidden] bf16
 
 class Step5Attention(nn.Module):
     """The attention block: projections, per-head q/k norms, rope, the head-wise gate and, on CSA layers,

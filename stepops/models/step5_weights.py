@@ -5,7 +5,8 @@ The model's parameters carry the checkpoint's names (``layers.{i}.input_layernor
 ``...mlp.*``, ``...moe.gate.weight``, ``...moe.router_bias``, ``...moe.{gate,up,down}_proj.weight``,
 ``...share_expert.*``, ``norm.weight``), so loading is a checked copy. Routed experts stored as
 float8_e4m3fn with ``weight_scale_inv`` (one fp32 scale per 128 x 128 block, multiplied in) are
-dequantised to the model's dtype here, once. A name the model lacks, or a parameter the checkpoint lacks,
+dequantised here, once, to fp32 (exact), and their GEMMs then round their inputs to e4m3 as the
+reference's ``fp8_gemm`` does (:class:`~stepops.models.step5.StackedExpertWeight`). A name the model lacks, or a parameter the checkpoint lacks,
 is a ``ValueError`` listing them all.
 """
 
@@ -17,32 +18,44 @@ from pathlib import Path
 
 import torch
 
-from stepops.models.step5 import Step5Model
+from stepops.models.step5 import FP8_BLOCK, StackedExpertWeight, Step5Model
 
-FP8_BLOCK = 128  # the reference's weight-scale block, [128, 128] over (out, in)
 SCALE_SUFFIX = ".weight_scale_inv"
 # In the checkpoint but read by nothing: the reference registers ssmax_s at its initial value and its
 # indexer scores with a weighted ReLU, which has no softmax for it to scale.
 IGNORED = re.compile(r"layers\.\d+\.self_attn\.ssmax_s")
 
 
-def dequantize_fp8_blocks(weight: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``weight [..., out, in]`` float8_e4m3fn times ``scale_inv [..., ceil(out/128), ceil(in/128)]`` fp32
-    (each scale covers one 128 x 128 block), in fp32, rounded once to ``dtype``."""
+def check_fp8_blocks(name: str, weight: torch.Tensor, scale_inv: torch.Tensor) -> None:
+    """``TypeError``/``ValueError`` naming ``name`` unless ``weight [..., out, in]`` is float8_e4m3fn and
+    ``scale_inv`` fp32 ``[..., ceil(out/128), ceil(in/128)]`` (one scale per 128 x 128 block)."""
     if weight.dtype != torch.float8_e4m3fn:
-        raise TypeError(f"an fp8 expert weight must be float8_e4m3fn, got {weight.dtype}")
+        raise TypeError(f"{name}: an fp8 expert weight must be float8_e4m3fn, got {weight.dtype}")
     if scale_inv.dtype != torch.float32:
-        raise TypeError(f"weight_scale_inv must be float32, got {scale_inv.dtype}")
+        raise TypeError(f"{name}: weight_scale_inv must be float32, got {scale_inv.dtype}")
+    if weight.dim() < 2:
+        raise ValueError(f"{name}: an fp8 weight must be [..., out, in], got shape {tuple(weight.shape)}")
     out_features, in_features = weight.shape[-2:]
     blocks = (-(-out_features // FP8_BLOCK), -(-in_features // FP8_BLOCK))
     if scale_inv.shape != weight.shape[:-2] + blocks:
         raise ValueError(
-            f"weight_scale_inv must be {tuple(weight.shape[:-2] + blocks)} for a weight of {tuple(weight.shape)}, "
-            f"got {tuple(scale_inv.shape)}"
+            f"{name}: weight_scale_inv must be {tuple(weight.shape[:-2] + blocks)} for a weight of "
+            f"{tuple(weight.shape)}, got {tuple(scale_inv.shape)}"
         )
+
+
+def dequantize_fp8_blocks(
+    weight: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype, *, name: str = "fp8 weight"
+) -> torch.Tensor:
+    """``weight [..., out, in]`` float8_e4m3fn times ``scale_inv [..., ceil(out/128), ceil(in/128)]`` fp32
+    (each scale covers one 128 x 128 block), in fp32, rounded once to ``dtype`` (:func:`check_fp8_blocks`)."""
+    check_fp8_blocks(name, weight, scale_inv)
+    out_features, in_features = weight.shape[-2:]
     scale = scale_inv.repeat_interleave(FP8_BLOCK, -2)[..., :out_features, :]
     scale = scale.repeat_interleave(FP8_BLOCK, -1)[..., :in_features]
-    return (weight.float() * scale).to(dtype)
+    out = weight.float()
+    out *= scale
+    return out.to(dtype)
 
 
 def load_step5_state_dict(model: Step5Model, state_dict: Mapping[str, torch.Tensor], *, prefix: str = "") -> None:
@@ -67,18 +80,26 @@ def load_step5_state_dict(model: Step5Model, state_dict: Mapping[str, torch.Tens
     missing = [prefix + n for n in params if n not in tensors]
     if missing or unexpected:
         raise ValueError(f"Step5 checkpoint does not match the model: missing {missing}, unexpected {unexpected}")
-    for name, param in params.items():
+    experts = {f"{n}.weight": m for n, m in model.named_modules() if isinstance(m, StackedExpertWeight)}
+    for name, param in params.items():  # every check before the first copy: a bad checkpoint changes nothing
         tensor = tensors[name]
         if name in scales:
-            if ".moe." not in name:
+            if name not in experts:
                 raise ValueError(f"{prefix}{name}: only routed experts (moe.*_proj) may be fp8 with a weight_scale_inv")
-            tensor = dequantize_fp8_blocks(tensor, scales[name], param.dtype)
-        elif not tensor.is_floating_point() or tensor.dtype == torch.float8_e4m3fn:
+            check_fp8_blocks(prefix + name, tensor, scales[name])
+        elif not tensor.is_floating_point() or tensor.element_size() == 1:
             raise TypeError(f"{prefix}{name}: expected a floating-point tensor (fp8 needs a weight_scale_inv), got {tensor.dtype}")
         if tensor.shape != param.shape:
             raise ValueError(f"{prefix}{name}: shape {tuple(tensor.shape)} does not match the model's {tuple(param.shape)}")
-        with torch.no_grad():
-            param.copy_(tensor)
+    for name, param in params.items():  # one expert dequantised at a time
+        tensor = tensors[name]
+        if name in experts:
+            fp8 = name in scales
+            experts[name].load(dequantize_fp8_blocks(tensor, scales[name], torch.float32) if fp8 else tensor, fp8=fp8)
+            model.built_dtypes[name] = experts[name].weight.dtype  # fp32 for an fp8 checkpoint's experts
+        else:
+            with torch.no_grad():
+                param.copy_(tensor)
 
 
 def load_step5_safetensors(model: Step5Model, directory: str | Path, *, prefix: str = "") -> None:

@@ -1,7 +1,7 @@
 """An independent dense recompute of a Step5 stack, written from StepFun's public reference formulas.
 
 It reads a checkpoint in the reference's names (``layers.{i}.self_attn.q_proj.weight``, ...; fp8 experts
-with ``weight_scale_inv`` are dequantised here) and one request's committed inputs ``x [L, hidden]``, and
+with ``weight_scale_inv`` run the reference's fp8 GEMM here, inputs quantised to e4m3 included) and one request's committed inputs ``x [L, hidden]``, and
 recomputes the whole sequence with no cache. It shares no module or function with
 :mod:`stepops.models.step5` (only the config's numbers): its own norms, rope and llama3 scaling, indexer,
 region summaries (a plain softmax over each complete region, not the op's online fold), selection (a
@@ -60,27 +60,49 @@ def _rope(x: torch.Tensor, span: int, theta: float, scaling) -> torch.Tensor:
     return out
 
 
-def _swiglu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, limit: float) -> torch.Tensor:
-    a = F.silu(F.linear(x, gate).float()).clamp(max=limit)
-    b = F.linear(x, up).float().clamp(min=-limit, max=limit)
-    return F.linear((a * b).to(x.dtype), down)
+def _act_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference's ``act_quant`` of ``x [M, K]``: per row and 128-wide block along K, e4m3 codes of
+    ``x / scale`` (clamped to +-448) and the fp32 ``scale = max(amax, 1e-10) * (1 / 448)``."""
+    rows, width = x.shape
+    codes = torch.empty(rows, width, dtype=_FP8, device=x.device)
+    scales = torch.empty(rows, -(-width // _FP8_BLOCK), dtype=torch.float32, device=x.device)
+    for block in range(scales.shape[1]):
+        cols = slice(block * _FP8_BLOCK, (block + 1) * _FP8_BLOCK)
+        values = x[:, cols].float()
+        scale = values.abs().amax(-1).clamp(min=1e-10) * (1.0 / _FP8_MAX)
+        codes[:, cols] = torch.clamp(values * (1.0 / scale)[:, None], -_FP8_MAX, _FP8_MAX).to(_FP8)
+        scales[:, block] = scale
+    return codes, scales
 
 
-def dequantize_fp8_experts(weight: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
-    """``[E, out, in]`` e4m3 times its ``[E, ceil(out/128), ceil(in/128)]`` block scales, as bf16."""
-    out = torch.empty(weight.shape, dtype=torch.float32)
-    for e in range(weight.shape[0]):
-        for i in range(scale_inv.shape[1]):
-            for j in range(scale_inv.shape[2]):
-                rows, cols = slice(i * _FP8_BLOCK, (i + 1) * _FP8_BLOCK), slice(j * _FP8_BLOCK, (j + 1) * _FP8_BLOCK)
-                out[e, rows, cols] = weight[e, rows, cols].float() * scale_inv[e, i, j]
+def _linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor | None) -> torch.Tensor:
+    """The reference's ``linear_fp8_or_bf16``: ``F.linear`` without a scale; with one, ``fp8_gemm`` of
+    ``_act_quant(x)`` and the e4m3 ``weight``: per 128-wide K block the fp8 dot in fp32, times the row's
+    activation scale and the block's weight scale, summed over the blocks in fp32, rounded to bf16."""
+    if scale_inv is None:
+        return F.linear(x, weight)
+    codes, x_scales = _act_quant(x)
+    out_features = weight.shape[0]
+    out = torch.zeros(x.shape[0], out_features, dtype=torch.float32, device=x.device)
+    for block in range(x_scales.shape[1]):
+        cols = slice(block * _FP8_BLOCK, (block + 1) * _FP8_BLOCK)
+        partial = codes[:, cols].float() @ weight[:, cols].float().t()
+        w_scales = scale_inv[:, block].repeat_interleave(_FP8_BLOCK)[:out_features]
+        out = out + partial * x_scales[:, block, None] * w_scales
     return out.to(torch.bfloat16)
 
 
-def _experts(state: Mapping[str, torch.Tensor], prefix: str, name: str) -> torch.Tensor:
-    weight = state[f"{prefix}moe.{name}.weight"]
-    scale = state.get(f"{prefix}moe.{name}.weight_scale_inv")
-    return weight if scale is None else dequantize_fp8_experts(weight.cpu(), scale.cpu()).to(weight.device)
+def _swiglu(
+    x: torch.Tensor,
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    down: torch.Tensor,
+    limit: float,
+    scales: tuple[torch.Tensor | None, ...] = (None, None, None),
+) -> torch.Tensor:
+    a = F.silu(_linear(x, gate, scales[0]).float()).clamp(max=limit)
+    b = _linear(x, up, scales[1]).float().clamp(min=-limit, max=limit)
+    return _linear((a * b).to(x.dtype), down, scales[2])
 
 
 def _moe(c: Step5Config, state: Mapping[str, torch.Tensor], prefix: str, h: torch.Tensor) -> torch.Tensor:
@@ -90,12 +112,15 @@ def _moe(c: Step5Config, state: Mapping[str, torch.Tensor], prefix: str, h: torc
     top, ids = torch.topk(scores, c.moe_top_k, dim=-1)
     weights = top - bias[ids]
     weights = weights / (weights.sum(-1, keepdim=True) + _RENORM_EPS) * c.moe_router_scaling_factor
-    gate, up, down = (_experts(state, prefix, n) for n in ("gate_proj", "up_proj", "down_proj"))
+    names = ("gate_proj", "up_proj", "down_proj")
+    experts = [state[f"{prefix}moe.{name}.weight"] for name in names]  # e4m3 codes where a scale is given
+    scales = [state.get(f"{prefix}moe.{name}.weight_scale_inv") for name in names]
     slot_output = torch.zeros(h.shape[0], c.moe_top_k, h.shape[1], dtype=h.dtype, device=h.device)
     for e in range(c.moe_num_experts):
         rows, slots = (ids == e).nonzero(as_tuple=True)
         if rows.numel():
-            slot_output[rows, slots] = _swiglu(h[rows], gate[e], up[e], down[e], c.swiglu_limit)
+            expert_scales = tuple(None if scale is None else scale[e] for scale in scales)
+            slot_output[rows, slots] = _swiglu(h[rows], *(w[e] for w in experts), c.swiglu_limit, expert_scales)
     out = torch.zeros(h.shape, dtype=torch.float32, device=h.device)
     for slot in range(c.moe_top_k):
         out = out + slot_output[:, slot].float() * weights[:, slot, None]

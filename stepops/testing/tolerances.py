@@ -82,6 +82,17 @@ TOLERANCES: dict[str, Tolerance] = {
         "at most 6% of a workload's elements differ (tests allow 1/8). A wrong mask or stale cache is "
         "off by 0.1 or more",
     ),
+    "model_vs_recompute_cpu_fp8_experts": Tolerance(
+        atol=0.0,
+        rtol=2**-4,
+        why="added, per MoE layer with fp8 experts, to model_vs_recompute_cpu's per-token bound: the reference's "
+        "fp8 GEMM rounds its input to e4m3 (codes 1/8 of their binade apart) per 128-wide block scaled by the "
+        "block's max, so where the layer's and the recompute's input rows are one bf16 ulp apart (the attention "
+        "flips above), a code may cross a rounding boundary (and every code of a block whose max moved), and the "
+        "expert output moves by a few ulps of the residual stream instead of one. Seen: 4 ulps (2**-5) in one of "
+        "16 runs, with 5.4% of the elements differing; equal inputs give equal outputs but for rare fp32 "
+        "sum-order ulps (test_step5_reference). A layer without the input rounding differs on ~96% of elements",
+    ),
     "tensor_parallel_vs_single_rank": Tolerance(
         atol=2**-3,
         rtol=2**-6,

@@ -39,9 +39,10 @@ def _device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def _step5(config: Step5Config, seed: int) -> tuple[Step5Model, dict[str, torch.Tensor]]:
-    """A Step5 model on the test device with a random reference-named checkpoint (fp8 experts) loaded."""
-    checkpoint = random_step5_checkpoint(config, seed)
+def _step5(config: Step5Config, seed: int, *, fp8_experts: bool = False) -> tuple[Step5Model, dict[str, torch.Tensor]]:
+    """A Step5 model on the test device with a random reference-named checkpoint loaded (bf16 experts: the
+    per-token bound; fp8 experts round their inputs to e4m3, which widens it, see test_step5_fp8_experts_*)."""
+    checkpoint = random_step5_checkpoint(config, seed, fp8_experts=fp8_experts)
     with torch.device(_device()):
         model = Step5Model(config)
     load_step5_state_dict(model, checkpoint)
@@ -66,7 +67,11 @@ def _compare(model, result, state_dict=None, cpu_margin=NEAR_TIE_MARGIN, max_nea
         comparison = compare_with_recompute(
             model, result.inputs, result.outputs, near_tie_margin=cpu_margin, state_dict=state_dict
         )
-        bound = len(model.layers) * TOLERANCES["model_vs_recompute_cpu"].rtol
+        fp8_moe_layers = sum(isinstance(m, step5.Step5MoE) and m.down_proj.fp8 for m in model.modules())
+        bound = (
+            len(model.layers) * TOLERANCES["model_vs_recompute_cpu"].rtol
+            + fp8_moe_layers * TOLERANCES["model_vs_recompute_cpu_fp8_experts"].rtol
+        )
         assert comparison.max_row_relative_err <= bound, comparison
         assert comparison.differing_fraction <= _MAX_DIFFERING_FRACTION, comparison
     else:
@@ -122,6 +127,24 @@ def test_step5_long_sequences_past_top_k_regions(config, seed):
     result = _run(model, _LONG_WORKLOAD, seed)
     max_fraction = 3 / 4 if _device().type == "cuda" else MAX_NEAR_TIE_FRACTION
     _compare(model, result, checkpoint, cpu_margin=_NEAR_TIE_MARGIN_CPU, max_near_tie_fraction=max_fraction)
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        pytest.param(Step5Config(), id="step5"),
+        pytest.param(Step5Config(layer_types=("csa", "sliding"), moe_layers=(1,)), id="csa_first"),
+    ],
+)
+@pytest.mark.parametrize("seed", range(2))
+def test_step5_fp8_experts_match_the_independent_recompute(config, seed):
+    """A checkpoint with fp8 experts, long sequences: the layer's e4m3-rounded GEMM inputs against the
+    recompute's transcription of the reference's act_quant + fp8_gemm, through chunked prefill, decode and
+    verify (the bound grows by ``model_vs_recompute_cpu_fp8_experts`` per such layer)."""
+    model, checkpoint = _step5(config, seed, fp8_experts=True)
+    assert all(layer.moe.down_proj.fp8 for i, layer in enumerate(model.layers) if i in config.moe_layers)
+    result = _run(model, _LONG_WORKLOAD, seed)
+    _compare(model, result, checkpoint, cpu_margin=_NEAR_TIE_MARGIN_CPU, max_near_tie_fraction=MAX_NEAR_TIE_FRACTION)
 
 
 @pytest.mark.parametrize(

@@ -103,6 +103,38 @@ def test_moe_layers_sum_routed_and_shared_experts_before_the_residual(monkeypatc
     assert torch.equal(got, want)
 
 
+# The layer's fp8 expert GEMMs (e4m3-rounded inputs times fp32-held weights, one fp32 sum) against the
+# recompute's transcription of the reference's act_quant + fp8_gemm (fp32 sums per 128-wide K block): seen
+# 99.8% of the MoE outputs bitwise equal at hidden 320 (a ragged K block), the rest one fp32 sum order apart
+# and re-rounded. Without the input rounding only ~4% are equal (it moves each product by up to 1/16).
+_FP8_MOE_EQUAL_FRACTION = 0.99
+
+
+@pytest.mark.parametrize("round_inputs", [True, False], ids=["as_the_reference", "weights_only"])
+def test_fp8_experts_compute_the_reference_fp8_gemm(round_inputs, monkeypatch):
+    """The same ``h`` into the layer's MoE and the recompute's: they agree as two fp8 GEMMs do, and a layer
+    that only dequantised the weights (stepops until 2026-12-03) fails the same bar."""
+    import stepops.models.step5 as step5
+    import stepops.testing.step5_reference as reference
+
+    config = Step5Config(hidden_size=320, moe_intermediate_size=200)  # ragged 128-blocks along both K
+    checkpoint = random_step5_checkpoint(config, seed=0)
+    model = Step5Model(config)
+    load_step5_state_dict(model, checkpoint)
+    moe = model.layers[config.moe_layers[0]].moe
+    assert moe.gate_proj.fp8 and moe.up_proj.fp8 and moe.down_proj.fp8
+    if not round_inputs:
+        monkeypatch.setattr(step5, "round_to_e4m3_blocks", lambda x: x.float())
+    h = torch.randn(64, config.hidden_size, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    small = h[: moe.small_step_max_tokens]  # a step that gathers the chosen experts: the other path
+    prefix = f"layers.{config.moe_layers[0]}."
+    with torch.inference_mode():
+        got = torch.cat([moe(h), moe(small)])
+        want = torch.cat([reference._moe(config, checkpoint, prefix, h), reference._moe(config, checkpoint, prefix, small)])
+    equal = float((got == want).float().mean())
+    assert (equal >= _FP8_MOE_EQUAL_FRACTION) == round_inputs, equal
+
+
 # Seen on CPU: the layer's indexer scores are the recompute's within 7e-8 of the largest score (the two
 # sum the heads' dot products in other orders; same e4m3 inputs). An indexer part one bf16 rounding off
 # moves them by ~2e-3 of it, yet flips only near-tie selections, which the output comparison may never meet.

@@ -10,9 +10,20 @@ from stepops.models import Step5Config, Step5Model
 from stepops.models.step5 import CSA, SLIDING, STEP5_REFERENCE, Llama3RopeScaling
 from stepops.models.step5_weights import dequantize_fp8_blocks, load_step5_safetensors, load_step5_state_dict
 from stepops.testing.step5_checkpoint import random_step5_checkpoint
-from stepops.testing.step5_reference import dequantize_fp8_experts
 
 _CONFIG = Step5Config()  # layer 0: sliding + MoE, layer 1: CSA + dense MLP
+
+
+def _dequantize_per_block(weight: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
+    """``[E, out, in]`` e4m3 times its ``[E, ceil(out/128), ceil(in/128)]`` block scales in fp32, one block at a
+    time (the reference's ``real_weight = w_fp8 * weight_scale_inv[block]``)."""
+    out = torch.empty(weight.shape, dtype=torch.float32)
+    for e in range(weight.shape[0]):
+        for i in range(scale_inv.shape[1]):
+            for j in range(scale_inv.shape[2]):
+                rows, cols = slice(i * 128, (i + 1) * 128), slice(j * 128, (j + 1) * 128)
+                out[e, rows, cols] = weight[e, rows, cols].float() * scale_inv[e, i, j]
+    return out
 
 
 def test_a_reference_named_checkpoint_loads_every_parameter():
@@ -25,8 +36,10 @@ def test_a_reference_named_checkpoint_loads_every_parameter():
     assert params["layers.1.self_attn.sparse_indexer_w.weight"].dtype == torch.float32
     assert params["layers.0.moe.router_bias"].dtype == torch.float32
     experts = params["layers.0.moe.down_proj.weight"]
-    want = dequantize_fp8_experts(checkpoint["layers.0.moe.down_proj.weight"], checkpoint["layers.0.moe.down_proj.weight_scale_inv"])
-    assert experts.dtype == torch.bfloat16 and torch.equal(experts, want)
+    want = _dequantize_per_block(checkpoint["layers.0.moe.down_proj.weight"], checkpoint["layers.0.moe.down_proj.weight_scale_inv"])
+    # Held in fp32 (bf16 would round each code x scale to 8 bits) and recorded as the model's dtype for it.
+    assert experts.dtype == torch.float32 and torch.equal(experts, want)
+    assert model.layers[0].moe.down_proj.fp8 and model.built_dtypes["layers.0.moe.down_proj.weight"] == torch.float32
 
 
 def test_fp8_dequantisation_uses_one_scale_per_128_block():
@@ -34,9 +47,9 @@ def test_fp8_dequantisation_uses_one_scale_per_128_block():
     gen = torch.Generator().manual_seed(0)
     weight = torch.randn(2, 200, 300, generator=gen).to(torch.float8_e4m3fn)
     scale = torch.rand(2, 2, 3, generator=gen) + 0.5
-    got = dequantize_fp8_blocks(weight, scale, torch.bfloat16)
-    assert torch.equal(got, dequantize_fp8_experts(weight, scale))
-    assert torch.equal(got[1, 150, 290], (weight[1, 150, 290].float() * scale[1, 1, 2]).to(torch.bfloat16))
+    got = dequantize_fp8_blocks(weight, scale, torch.float32)
+    assert torch.equal(got, _dequantize_per_block(weight, scale))
+    assert torch.equal(got[1, 150, 290], weight[1, 150, 290].float() * scale[1, 1, 2])
     with pytest.raises(ValueError, match=r"weight_scale_inv must be \(2, 2, 3\)"):
         dequantize_fp8_blocks(weight, scale[:, :1], torch.bfloat16)
     with pytest.raises(TypeError, match="float8_e4m3fn"):
@@ -91,6 +104,15 @@ def test_a_scale_without_its_weight_and_fp8_without_a_scale_are_errors():
     checkpoint = random_step5_checkpoint(_CONFIG, seed=0)
     del checkpoint["layers.0.moe.up_proj.weight_scale_inv"]
     with pytest.raises(TypeError, match=r"layers\.0\.moe\.up_proj\.weight: .*fp8 needs a weight_scale_inv"):
+        _load(checkpoint)
+    # Any 8-bit float without a scale (float8_e5m2 loaded as raw values), and a scale's errors name the tensor.
+    checkpoint = random_step5_checkpoint(_CONFIG, seed=0)
+    checkpoint["layers.0.self_attn.q_proj.weight"] = checkpoint["layers.0.self_attn.q_proj.weight"].to(torch.float8_e5m2)
+    with pytest.raises(TypeError, match=r"layers\.0\.self_attn\.q_proj\.weight: .*got torch\.float8_e5m2"):
+        _load(checkpoint)
+    checkpoint = random_step5_checkpoint(_CONFIG, seed=0)
+    checkpoint["layers.0.moe.down_proj.weight_scale_inv"] = checkpoint["layers.0.moe.down_proj.weight_scale_inv"][..., :0]
+    with pytest.raises(ValueError, match=r"layers\.0\.moe\.down_proj\.weight: weight_scale_inv must be"):
         _load(checkpoint)
 
 
