@@ -39,6 +39,7 @@ way. Both caches hold only the rank's KV heads; each output-stream conv runs on 
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
@@ -134,6 +135,14 @@ class InklingConfig:
             if field.type in ("int", "int | None") and not (is_int(value) or optional and value is None):
                 or_none = " or None" if optional else ""
                 raise TypeError(f"{field.name} must be an int{or_none}, got {type(value).__name__}")
+            # A float field given None or a string failed only in the first forward; NaN or inf never did.
+            if field.type == "float":
+                if type(value) not in (int, float):
+                    raise TypeError(f"{field.name} must be a float, got {type(value).__name__}")
+                if not math.isfinite(value):
+                    raise ValueError(f"{field.name} must be finite, got {value}")
+        if self.logits_mup_width_multiplier == 0:
+            raise ValueError("logits_mup_width_multiplier divides the logits: it must not be 0")
         # Values only for the layer and MLP kinds in use (transformers builds only those: an all-global model's
         # swa_* and sliding_window, or an all-sliding model's global geometry and rel_extent, are unused), and
         # at transformers' own minimums: it builds and runs zero-width relative states and MLPs.

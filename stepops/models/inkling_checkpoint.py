@@ -252,12 +252,14 @@ def _inkling_config(hf: dict[str, Any], block_size: int) -> InklingConfig:
 
 
 def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of the checkpoint directory (one file, or the shards of its index)."""
+    """Every tensor of the checkpoint directory: ``model.safetensors`` when there is one, else the shards of
+    ``model.safetensors.index.json``, in transformers' order (a directory saved again in the other format
+    keeps the old file: reading the other one loaded other weights than transformers does)."""
     index = path / "model.safetensors.index.json"
-    if index.exists():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    elif (path / "model.safetensors").exists():
+    if (path / "model.safetensors").exists():
         files = ["model.safetensors"]
+    elif index.exists():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
     else:
         raise ValueError(f"{path}: no model.safetensors or model.safetensors.index.json")
     tensors: dict[str, torch.Tensor] = {}
@@ -362,6 +364,7 @@ def load_inkling(
                 # shape and dtype only: on the meta device, nothing allocated
                 expected[f"layers.{i}.{half}"] = whole.new_empty((whole.shape[0] // 2, *whole.shape[1:]), device="meta")
     loaded: dict[str, torch.Tensor] = {}
+    source: dict[str, str] = {}  # stepops name -> the checkpoint key it was read from
     unexpected: list[str] = []
     ignored: dict[tuple[str, str], int] = {}
     for key, tensor in _read_safetensors(path).items():
@@ -376,6 +379,11 @@ def load_inkling(
             unexpected.append(key)
             continue
         for name, text_tensor in names:
+            if name in source:  # e.g. lm_head.weight next to the original layout's model.llm.unembed.weight
+                raise ValueError(
+                    f"{path}: {source[name]!r} and {key!r} are both the text decoder's {name}; keep one of them"
+                )
+            source[name] = key
             if name.rsplit(".", 1)[-1] in _CONV_WEIGHTS:
                 text_tensor = text_tensor.squeeze(1)  # nn.Conv1d's depthwise [C, 1, W] -> [C, W]
             if text_tensor.shape != expected[name].shape:

@@ -157,9 +157,12 @@ def test_one_warning_names_the_ignored_towers_and_mtp(saved, tmp_path, layout, v
         (ORIGINAL, lambda t: t.update({"model.llm.layers.1.mlp.w13_dn.weight": torch.zeros(192, 64)}), r"unexpected weights .*\['model.llm.layers.1.mlp.w13_dn.weight'\]"),
         (ORIGINAL, lambda t: t.update({"model.multi_modal_projector.weight": torch.zeros(1)}), r"unexpected weights .*\['model.multi_modal_projector.weight'\]"),
         (MODULE_NAMES, lambda t: t.update({"model.language_model.layers.0.mlp.gate.weight": torch.zeros(1)}), r"unexpected weights .*\['model.language_model.layers.0.mlp.gate.weight'\]"),
+        # One weight under two names: the later in file order won, where transformers takes the other.
+        (ORIGINAL, lambda t: t.update({"lm_head.weight": torch.zeros(128, 64)}), r"'lm_head.weight' and 'model.llm.unembed.weight' are both the text decoder's lm_head.weight"),
     ],
     ids=["missing_expert", "missing_fused_w13", "missing_unembed", "missing_module_name", "shape", "odd_w13",
-         "expert_w13_shape", "unknown_llm", "dense_w13_in_sparse_layer", "projector", "sparse_in_dense_layer"],
+         "expert_w13_shape", "unknown_llm", "dense_w13_in_sparse_layer", "projector", "sparse_in_dense_layer",
+         "two_names"],
 )
 def test_bad_language_model_weights_are_errors(saved, tmp_path, layout, edit, message):
     with pytest.raises(ValueError, match=message):

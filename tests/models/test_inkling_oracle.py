@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 
 import pytest
 import torch
@@ -113,6 +114,17 @@ def _layer_io(hf, ids: torch.Tensor) -> tuple[list[tuple[torch.Tensor, torch.Ten
 def test_one_file_loads_like_the_shards(checkpoint, tmp_path):
     sharded, single = load_inkling(checkpoint).state_dict(), load_inkling(single_file_copy(checkpoint, tmp_path)).state_dict()
     assert sharded.keys() == single.keys() and all(torch.equal(sharded[k], single[k]) for k in sharded)
+
+
+def test_a_file_next_to_stale_shards_loads_as_transformers_loads_it(checkpoint, tmp_path):
+    """save_pretrained in one file over a sharded save keeps the old index and shards: transformers reads
+    model.safetensors, and stepops read the stale shards (other weights, silently)."""
+    path = single_file_copy(checkpoint, tmp_path, lambda t: t["model.norm.weight"].fill_(3.0))
+    for stale in (*checkpoint.glob("model-*.safetensors"), checkpoint / "model.safetensors.index.json"):
+        shutil.copy(stale, path)
+    want = InklingForCausalLM.from_pretrained(path, dtype=torch.float32).model.norm.weight
+    assert torch.equal(want, torch.full_like(want, 3.0))
+    assert torch.equal(load_inkling(path, dtype=torch.float32).norm.weight, want)
 
 
 def test_multi_token_prediction_and_tower_weights_are_ignored_with_a_warning(checkpoint, tmp_path):
@@ -234,6 +246,18 @@ INT_FIELDS = (
 def test_inkling_int_fields_refuse_other_types(name, value):
     with pytest.raises(TypeError, match=rf"^{name} must be an int( or None)?, got {type(value).__name__}$"):
         InklingConfig(**{name: value})
+
+
+@pytest.mark.parametrize("name", ["route_scale", "log_scaling_alpha", "logits_mup_width_multiplier", "rms_norm_eps"])
+@pytest.mark.parametrize("value", [None, "2.0", True, float("nan"), float("inf")], ids=["none", "str", "bool", "nan", "inf"])
+def test_inkling_float_fields_refuse_other_types_and_non_finite_values(name, value):
+    """A config.json's null or string in a float field loaded, and failed only in the first forward
+    (transformers' strict config refuses them); NaN and inf never failed."""
+    error = ValueError if type(value) is float else TypeError
+    with pytest.raises(error, match=rf"^{name} must be (a float, got|finite, got)"):
+        InklingConfig(**{name: value})
+    with pytest.raises(ValueError, match="logits_mup_width_multiplier divides the logits"):
+        InklingConfig(logits_mup_width_multiplier=0)
 
 
 # -- fp32, no cache -----------------------------------------------------------------------------------
