@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from stepops.models.inkling import GLOBAL, SLIDING, InklingConfig, InklingModel, fuse_kv
 
@@ -259,19 +259,38 @@ def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
     if (path / "model.safetensors").exists():
         files = ["model.safetensors"]
     elif index.exists():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        weight_map = _read_json_object(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"{index}: no weight_map object (expected the index save_pretrained writes)")
+        files = sorted(set(weight_map.values()))
     else:
         raise ValueError(f"{path}: no model.safetensors or model.safetensors.index.json")
     tensors: dict[str, torch.Tensor] = {}
     for name in files:
-        with safe_open(str(path / name), framework="pt") as f:
-            for key in f.keys():
-                tensors[key] = f.get_tensor(key)
+        try:
+            with safe_open(str(path / name), framework="pt") as f:
+                for key in f.keys():
+                    tensors[key] = f.get_tensor(key)
+        except (SafetensorError, OSError) as error:
+            raise ValueError(f"{path / name}: not a readable safetensors file ({error})") from None
     return tensors
+
+
+def _read_json_object(path: Path) -> dict[str, Any]:
+    """The JSON object in ``path``; ``ValueError`` naming the file for invalid JSON or another value."""
+    try:
+        value = json.loads(path.read_text())
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{path}: not valid JSON ({error})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{path}: expected a JSON object, got {type(value).__name__}")
+    return value
 
 
 def _deinterleave(key: str, tensor: torch.Tensor, dim: int) -> torch.Tensor:
     """Rows ``g0, u0, g1, u1, ...`` along ``dim`` -> ``g0, g1, ..., u0, u1, ...`` (transformers' Interleave)."""
+    if tensor.dim() <= dim:
+        raise ValueError(f"{key}: a fused gate/up weight needs a dimension {dim}, got shape {tuple(tensor.shape)}")
     size = tensor.shape[dim]
     if size % 2:
         raise ValueError(f"{key}: fused gate/up dimension {dim} has odd size {size}")
@@ -348,9 +367,9 @@ def load_inkling(
     config_file = path / "config.json"
     if not config_file.exists():
         raise ValueError(f"{path}: no config.json (expected a directory written by save_pretrained)")
-    hf = json.loads(config_file.read_text())
+    hf = _read_json_object(config_file)
     multimodal = hf.get("model_type") == "inkling_mm_model"
-    if multimodal and "InklingModel" in hf.get("architectures", ()):
+    if multimodal and "InklingModel" in (hf.get("architectures") or ()):
         raise ValueError(
             f"{path}: an InklingModel checkpoint has no lm_head (no logits); save an InklingForConditionalGeneration"
         )
@@ -384,7 +403,7 @@ def load_inkling(
                     f"{path}: {source[name]!r} and {key!r} are both the text decoder's {name}; keep one of them"
                 )
             source[name] = key
-            if name.rsplit(".", 1)[-1] in _CONV_WEIGHTS:
+            if name.rsplit(".", 1)[-1] in _CONV_WEIGHTS and text_tensor.dim() == 3:
                 text_tensor = text_tensor.squeeze(1)  # nn.Conv1d's depthwise [C, 1, W] -> [C, W]
             if text_tensor.shape != expected[name].shape:
                 raise ValueError(

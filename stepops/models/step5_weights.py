@@ -59,8 +59,10 @@ def dequantize_fp8_blocks(
 
 
 def load_step5_state_dict(model: Step5Model, state_dict: Mapping[str, torch.Tensor], *, prefix: str = "") -> None:
-    """Copy ``state_dict`` (names ``prefix + <model name>``, e.g. ``prefix="model."`` for a whole causal-LM
-    checkpoint) into ``model``'s parameters, dequantising fp8 experts. Every parameter must be given and
+    """Copy ``state_dict`` (names ``prefix + <model name>``, e.g. ``prefix="model."`` for decoder weights
+    saved under ``model.``; the model has no embedding or head, so a checkpoint holding them must leave them
+    out) into ``model``'s parameters, fp8 experts held as :class:`~stepops.models.step5.StackedExpertWeight`
+    says. Every parameter must be given and
     every name used (``ValueError``); shapes must match (``ValueError``); dtypes must be floating
     (``TypeError``; float8 only for routed experts with a ``weight_scale_inv``)."""
     params = dict(model.named_parameters())

@@ -116,6 +116,33 @@ def test_one_file_loads_like_the_shards(checkpoint, tmp_path):
     assert sharded.keys() == single.keys() and all(torch.equal(sharded[k], single[k]) for k in sharded)
 
 
+def _copy(checkpoint, path, edit):
+    shutil.copytree(checkpoint, path)
+    edit(path)
+    return path
+
+
+def _truncate_first_shard(path):
+    shard = sorted(path.glob("model-*.safetensors"))[0]
+    shard.write_bytes(shard.read_bytes()[:50])
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda p: (p / "model.safetensors.index.json").write_text("{}"), r"index.json: no weight_map object"),
+        (lambda p: (p / "config.json").write_text("[]"), r"config.json: expected a JSON object, got list"),
+        (lambda p: (p / "config.json").write_text("{"), r"config.json: not valid JSON"),
+        (_truncate_first_shard, r"model-00001-of-\d+.safetensors: not a readable safetensors file"),
+    ],
+    ids=["no_weight_map", "config_not_an_object", "config_not_json", "truncated_shard"],
+)
+def test_unreadable_checkpoint_files_are_errors_naming_the_file(checkpoint, tmp_path, edit, message):
+    """Each was a KeyError, AttributeError, JSONDecodeError or SafetensorError naming no file."""
+    with pytest.raises(ValueError, match=message):
+        load_inkling(_copy(checkpoint, tmp_path / "copy", edit))
+
+
 def test_a_file_next_to_stale_shards_loads_as_transformers_loads_it(checkpoint, tmp_path):
     """save_pretrained in one file over a sharded save keeps the old index and shards: transformers reads
     model.safetensors, and stepops read the stale shards (other weights, silently)."""
