@@ -5,9 +5,9 @@ The model's parameters carry the checkpoint's names (``layers.{i}.input_layernor
 ``...mlp.*``, ``...moe.gate.weight``, ``...moe.router_bias``, ``...moe.{gate,up,down}_proj.weight``,
 ``...share_expert.*``, ``norm.weight``), so loading is a checked copy. Routed experts stored as
 float8_e4m3fn with ``weight_scale_inv`` (one fp32 scale per 128 x 128 block, multiplied in) are
-dequantised here, once, to fp32 (exact), and their GEMMs then round their inputs to e4m3 as the
-reference's ``fp8_gemm`` does (:class:`~stepops.models.step5.StackedExpertWeight`). A name the model lacks, or a parameter the checkpoint lacks,
-is a ``ValueError`` listing them all.
+dequantised here, once, to fp32, and their GEMMs then round their inputs to e4m3 as the reference's
+``fp8_gemm`` does (:class:`~stepops.models.step5.StackedExpertWeight`). A name the model lacks, or a
+parameter the checkpoint lacks, is a ``ValueError`` listing them all.
 """
 
 from __future__ import annotations

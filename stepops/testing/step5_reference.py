@@ -1,12 +1,13 @@
 """An independent dense recompute of a Step5 stack, written from StepFun's public reference formulas.
 
 It reads a checkpoint in the reference's names (``layers.{i}.self_attn.q_proj.weight``, ...; fp8 experts
-with ``weight_scale_inv`` run the reference's fp8 GEMM here, inputs quantised to e4m3 included) and one request's committed inputs ``x [L, hidden]``, and
-recomputes the whole sequence with no cache. It shares no module or function with
-:mod:`stepops.models.step5` (only the config's numbers): its own norms, rope and llama3 scaling, indexer,
-region summaries (a plain softmax over each complete region, not the op's online fold), selection (a
-Python sort on ``(-score, region)`` per KV group), attention (``scaled_dot_product_attention`` with a dense
-per-group mask), MLP and MoE (a per-expert loop over the routed tokens, as the reference's CPU path).
+with ``weight_scale_inv`` run the reference's fp8 GEMM, inputs quantised to e4m3 included) and one
+request's committed inputs ``x [L, hidden]``, and recomputes the whole sequence with no cache. It shares
+no module or function with :mod:`stepops.models.step5` (only the config's numbers): its own norms, rope
+and llama3 scaling, indexer, region summaries (a plain softmax over each complete region, not the op's
+online fold), selection (a Python sort on ``(-score, region)`` per KV group), attention
+(``scaled_dot_product_attention`` with a dense per-group mask), MLP and MoE (a per-expert loop over the
+routed tokens, as the reference's CPU path).
 """
 
 from __future__ import annotations

@@ -30,7 +30,8 @@ def copy_as_views(values: Iterable[object], device: torch.device | str | None = 
             if key not in storages:
                 storages[key] = _storage_bytes(value).to(target, copy=True)
             view = torch.empty(0, dtype=value.dtype, device=target)
-            views[id(value)] = view.set_(storages[key].untyped_storage(), value.storage_offset(), value.shape, value.stride())
+            storage = storages[key].untyped_storage()
+            views[id(value)] = view.set_(storage, value.storage_offset(), value.shape, value.stride())
         copied.append(views[id(value)] if isinstance(value, torch.Tensor) else value)
     return copied
 
