@@ -31,6 +31,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from stepops.models.inkling import GLOBAL, SLIDING, InklingConfig, InklingModel, fuse_kv
+from stepops.specs import is_int
 
 TRANSFORMERS_VERSION = "5.23.0"
 
@@ -155,7 +156,8 @@ def _text_config(hf: dict[str, Any]) -> dict[str, Any]:
         text = hf.get("text_config")
         if not isinstance(text, dict):
             raise ValueError("multimodal Inkling config (model_type 'inkling_mm_model') has no text_config")
-        if text.get("model_type") != "inkling_text":
+        # transformers reads a text_config without a model_type as the Inkling text config it nests.
+        if text.get("model_type", "inkling_text") != "inkling_text":
             raise ValueError(f"text_config: expected model_type 'inkling_text', got {text.get('model_type')!r}")
         return text
     if hf.get("model_type") != "inkling_text":
@@ -203,6 +205,12 @@ def _layer_types(hf: dict[str, Any]) -> tuple[list[str], list[str]]:
     count = hf.get("num_hidden_layers")
     if count is None and (layer_types is None or mlp_layer_types is None):
         raise KeyError("num_hidden_layers")  # derived types need it; the caller names the missing field
+    # The types before any arithmetic on them ("3" layers said "num_hidden_layers (3) must equal ... (3)").
+    if count is not None and not is_int(count):
+        raise TypeError(f"num_hidden_layers must be an int, got {type(count).__name__}")
+    for name in ("layer_types", "mlp_layer_types", "local_layer_ids"):
+        if hf.get(name) is not None and not isinstance(hf[name], list):
+            raise TypeError(f"{name} must be a list, got {type(hf[name]).__name__}")
     if layer_types is None:
         local = hf.get("local_layer_ids")
         local = set(local) if local is not None else {i for i in range(count) if (i + 1) % 6}

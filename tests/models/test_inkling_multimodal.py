@@ -182,3 +182,10 @@ def test_bad_language_model_weights_are_errors(saved, tmp_path, layout, edit, me
 def test_unsupported_multimodal_configs_are_errors(saved, tmp_path, config_edit, message):
     with pytest.raises(ValueError, match=message):
         load_inkling(single_file_copy(saved[MODULE_NAMES], tmp_path, config_edit=config_edit))
+
+
+def test_a_text_config_without_model_type_loads_as_transformers_loads_it(saved, tmp_path):
+    """transformers reads it as the Inkling text config it nests; stepops refused it."""
+    path = single_file_copy(saved[MODULE_NAMES], tmp_path, config_edit=lambda c: c["text_config"].pop("model_type"))
+    want = InklingForConditionalGeneration.from_pretrained(path, dtype=torch.float32).lm_head.weight
+    assert torch.equal(_load_quietly(path, dtype=torch.float32).lm_head.weight, want)

@@ -193,6 +193,22 @@ def test_unsupported_configs_are_errors(checkpoint, tmp_path, config_edit, messa
         load_inkling(single_file_copy(checkpoint, tmp_path, config_edit=config_edit))
 
 
+@pytest.mark.parametrize(
+    "config_edit, message",
+    [
+        (lambda c: c.update(num_hidden_layers="3"), r"num_hidden_layers must be an int, got str"),
+        (lambda c: (c.pop("layer_types"), c.update(local_layer_ids=3)), r"local_layer_ids must be a list, got int"),
+        (lambda c: c.update(mlp_layer_types="dense"), r"mlp_layer_types must be a list, got str"),
+    ],
+    ids=["layer_count_str", "local_ids_int", "mlp_types_str"],
+)
+def test_mistyped_layer_fields_are_type_errors(checkpoint, tmp_path, config_edit, message):
+    """Were "num_hidden_layers (3) must equal the number of layer_types (3)", "'int' object is not
+    iterable", or a string taken as a list of one-letter types."""
+    with pytest.raises(TypeError, match=message):
+        load_inkling(single_file_copy(checkpoint, tmp_path, config_edit=config_edit))
+
+
 def _release_style_config(config: dict) -> None:
     """The names a release's config.json may use: transformers' attribute-map aliases, and
     ``intermediate_size`` as the routed experts' width with the dense MLP's in ``dense_intermediate_size``."""
