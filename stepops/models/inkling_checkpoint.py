@@ -382,7 +382,11 @@ def load_inkling(
             f"{path}: an InklingModel checkpoint has no lm_head (no logits); save an InklingForConditionalGeneration"
         )
     config = config_from_transformers(hf, block_size=block_size)
-    model = InklingModel(config, dtype=dtype)
+    # Built on the meta device, so nothing is allocated or randomly initialised until the checkpoint has been
+    # read and checked; then allocated once on ``device`` (same strides: the conv weights stay tap-major) and
+    # filled by load_state_dict. A CPU build and copy held the model twice and spent most of a load on init.
+    with torch.device("meta"):
+        model = InklingModel(config, dtype=dtype)
     expected = dict(model.state_dict())
     for i in range(len(model.layers)):  # a fused weight is read as its K and V halves
         for fused, halves in _KV_HALVES.items():
@@ -433,8 +437,9 @@ def load_inkling(
             f"{path}: ignoring {_ignored_note(ignored)}: out of scope, stepops runs the Inkling text decoder only",
             stacklevel=2,
         )
+    model.to_empty(device=device)
     model.load_state_dict(loaded)
-    return model.to(device)
+    return model
 
 
 __all__ = ["ORIGINAL_WEIGHT_NAMES", "TRANSFORMERS_VERSION", "WEIGHT_NAMES", "config_from_transformers", "load_inkling"]

@@ -111,6 +111,15 @@ def _layer_io(hf, ids: torch.Tensor) -> tuple[list[tuple[torch.Tensor, torch.Ten
 # -- loading ---------------------------------------------------------------------------------------------
 
 
+def test_a_loaded_model_has_a_built_models_layouts_and_dtypes(checkpoint):
+    """load_inkling builds on the meta device and allocates once: every parameter keeps the strides a
+    built model gives it (the conv weights tap-major, which the Triton kernel's vector loads rely on)."""
+    loaded, built = load_inkling(checkpoint), InklingModel(config_from_transformers(json.loads((checkpoint / "config.json").read_text())))
+    assert loaded.built_dtypes == built.built_dtypes
+    assert [(n, p.stride()) for n, p in loaded.named_parameters()] == [(n, p.stride()) for n, p in built.named_parameters()]
+    assert all(p.device.type == "cpu" for p in loaded.parameters())
+
+
 def test_one_file_loads_like_the_shards(checkpoint, tmp_path):
     sharded, single = load_inkling(checkpoint).state_dict(), load_inkling(single_file_copy(checkpoint, tmp_path)).state_dict()
     assert sharded.keys() == single.keys() and all(torch.equal(sharded[k], single[k]) for k in sharded)
