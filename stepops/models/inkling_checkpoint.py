@@ -377,10 +377,13 @@ def load_inkling(
         raise ValueError(f"{path}: no config.json (expected a directory written by save_pretrained)")
     hf = _read_json_object(config_file)
     multimodal = hf.get("model_type") == "inkling_mm_model"
-    if multimodal and "InklingModel" in (hf.get("architectures") or ()):
+    architectures = hf.get("architectures") or ()
+    if multimodal and "InklingModel" in architectures:
         raise ValueError(
             f"{path}: an InklingModel checkpoint has no lm_head (no logits); save an InklingForConditionalGeneration"
         )
+    if not multimodal and "InklingTextModel" in architectures:
+        raise ValueError(f"{path}: an InklingTextModel checkpoint has no lm_head (no logits); save an InklingForCausalLM")
     config = config_from_transformers(hf, block_size=block_size)
     # Built on the meta device, so nothing is allocated or randomly initialised until the checkpoint has been
     # read and checked; then allocated once on ``device`` (same strides: the conv weights stay tap-major) and

@@ -194,8 +194,10 @@ def test_bad_weights_are_errors_that_name_them(checkpoint, tmp_path, edit, messa
         (lambda c: c.update(swa_num_key_value_heads=3), r"sliding layers: query heads \(4\) must be a multiple of KV heads \(3\)"),
         (lambda c: c.pop("log_scaling_alpha"), r"the Inkling config has no 'log_scaling_alpha'"),
         (lambda c: c.update(num_hidden_layers=4), r"num_hidden_layers \(4\) must equal the number of layer_types \(3\)"),
+        # A long list of every weight as "unexpected" before (an InklingTextModel's names lack "model.").
+        (lambda c: c.update(architectures=["InklingTextModel"]), r"an InklingTextModel checkpoint has no lm_head"),
     ],
-    ids=["model_type", "activation", "layer_type", "geometry", "missing_field", "layer_count"],
+    ids=["model_type", "activation", "layer_type", "geometry", "missing_field", "layer_count", "base_model"],
 )
 def test_unsupported_configs_are_errors(checkpoint, tmp_path, config_edit, message):
     with pytest.raises(ValueError, match=message):
