@@ -12,6 +12,10 @@
 set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
+case "${1:-}" in
+    gpu_tests | benchmarks | attention | demo)
+        echo "gpu_check.sh: '$1' is a part; the first argument is OUT_DIR (gpu_check.sh OUT_DIR $*)" >&2; exit 2 ;;
+esac
 out="${1:-$root/benchmarks/results/gpu_check}"
 [ $# -gt 0 ] && shift
 parts=("$@")
@@ -60,8 +64,8 @@ write_summary() {
         echo "$environment"
         printf "%-12s %-12s %8s\n" part status seconds
         printf "%s\n" "${done_parts[@]}"
-        # The tests' counts and failures, when this run ran them (a rerun of other parts keeps the old log).
-        [[ " ${parts[*]} " == *" gpu_tests "* ]] && [ -f "$out/gpu_tests.log" ] \
+        # The tests' counts and failures once this run has run them (an earlier run's log may be there).
+        [[ " ${done_parts[*]} " == *" gpu_tests "* ]] \
             && grep -h -E "^[0-9]+ (passed|failed)|^(FAILED|ERROR) " "$out/gpu_tests.log" | tail -n 40
     } >"$summary"
 }
@@ -76,6 +80,7 @@ run_part() {  # run_part NAME LIMIT_S COMMAND...
     local status=ok
     [ $rc -eq 0 ] || status="FAIL rc=$rc"
     [ $rc -eq 124 ] && status="TIMEOUT"
+    [ $rc -eq 137 ] && status="TIMEOUT, killed"  # SIGINT unanswered for 20 s (e.g. inside a CUDA call)
     done_parts+=("$(printf "%-12s %-12s %8s" "$name" "$status" "$((SECONDS - start))")")
     write_summary
     [ $rc -eq 0 ]

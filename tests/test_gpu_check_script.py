@@ -44,6 +44,13 @@ def test_an_unknown_part_stops_before_any_part(tmp_path):
     assert "=== gpu_tests" not in result.stdout
 
 
+def test_a_part_given_as_out_dir_stops_before_any_part():
+    """``gpu_check.sh demo`` (meaning: rerun the demo) ran every part into ./demo/."""
+    result = subprocess.run(["bash", str(_SCRIPT), "demo"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "'demo' is a part; the first argument is OUT_DIR" in result.stderr
+
+
 def test_its_gpu_tests_collect_without_transformers_and_expecttest():
     """GPU machines may lack transformers and expecttest (the lent H200 image has neither in its package
     list): the ``gpu_tests`` part's test paths, read from the script, collect with both imports failing.

@@ -41,6 +41,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+import sys
 from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import Any
@@ -71,6 +72,9 @@ SLIDING = "sliding"
 GLOBAL = "global"
 DENSE = "dense"
 SPARSE = "sparse"
+
+
+_FLOAT_MAX = sys.float_info.max  # an int that a float field takes must convert to a finite float
 
 
 @dataclass(frozen=True)
@@ -139,7 +143,7 @@ class InklingConfig:
             if field.type == "float":
                 if type(value) not in (int, float):
                     raise TypeError(f"{field.name} must be a float, got {type(value).__name__}")
-                if not math.isfinite(value):
+                if not (math.isfinite(value) if type(value) is float else abs(value) <= _FLOAT_MAX):
                     raise ValueError(f"{field.name} must be finite, got {value}")
         if self.logits_mup_width_multiplier == 0:
             raise ValueError("logits_mup_width_multiplier divides the logits: it must not be 0")

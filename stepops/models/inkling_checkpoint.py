@@ -387,7 +387,7 @@ def load_inkling(
     config = config_from_transformers(hf, block_size=block_size)
     # Built on the meta device, so nothing is allocated or randomly initialised until the checkpoint has been
     # read and checked; then allocated once on ``device`` (same strides: the conv weights stay tap-major) and
-    # filled by load_state_dict. A CPU build and copy held the model twice and spent most of a load on init.
+    # filled by load_state_dict: the load holds the model once, and spends no time on a random init.
     with torch.device("meta"):
         model = InklingModel(config, dtype=dtype)
     expected = dict(model.state_dict())

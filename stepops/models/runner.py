@@ -90,6 +90,13 @@ def token_ranges_for(model: torch.nn.Module, max_size: int) -> tuple[tuple[int, 
     return tuple(ranges) + ((low, max(max_size, 2)),)
 
 
+# Inductor keeps the bf16 roundings the models write (``.to(bf16)`` then ``.float()`` inside one fused
+# kernel), which it drops by default: Step5's fp8 experts round their GEMM outputs to bf16 and then their
+# inputs to e4m3, which turns a dropped rounding into a different code (an MoE output 80% different from
+# eager's). Honoured by torch >= 2.13's CPU Inductor (measured: bitwise equal to eager); torch 2.11's ignores it.
+INDUCTOR_OPTIONS = {"emulate_precision_casts": True}
+
+
 class StepRunner:
     """Runs steps of ``model`` over ``max_requests`` request slots of up to ``max_model_len`` tokens.
 
@@ -177,7 +184,8 @@ class StepRunner:
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._compiled: Callable[..., torch.Tensor] | None = None
         if mode == COMPILED:
-            self._compiled = torch.compile(self._forward, backend=compile_backend, fullgraph=True)
+            options = INDUCTOR_OPTIONS if compile_backend == "inductor" else None
+            self._compiled = torch.compile(self._forward, backend=compile_backend, fullgraph=True, options=options)
         self.token_ranges = token_ranges_for(model, self.capture_sizes[-1])
         # Per slot: one past the furthest position its request has fed since it started at 0 (rollback check).
         self._max_rollback: int | None = getattr(model, "max_rollback", None)

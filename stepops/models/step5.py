@@ -338,6 +338,9 @@ class StackedExpertWeight(nn.Module):
     ``fp8``: loaded from e4m3 codes with 128 x 128 block scales (:meth:`load`). The weight is then held
     dequantised in fp32 (an e4m3 code times its fp32 scale is off by 2**-24 there, by 2**-9 in bf16), and the
     reference's fp8 GEMM rounds its input to e4m3 as well (:func:`round_to_e4m3_blocks`): :meth:`matmul_input`.
+    Loading may replace the Parameter (another dtype), so load before compiling, capturing or handing the
+    parameters to anything; ``fp8`` is no part of ``state_dict()``: load an fp8 checkpoint with
+    ``step5_weights.load_step5_state_dict``, not ``load_state_dict`` (which would cast into bf16 experts).
     """
 
     def __init__(self, num_experts: int, out_features: int, in_features: int, dtype: torch.dtype) -> None:
@@ -355,7 +358,7 @@ class StackedExpertWeight(nn.Module):
             if self.weight.dtype == dtype:
                 self.weight.copy_(weight)
             else:
-                held = weight.to(device=self.weight.device, dtype=dtype)
+                held = weight.to(device=self.weight.device, dtype=dtype, copy=True)  # never the caller's tensor
                 self.weight = nn.Parameter(held, requires_grad=self.weight.requires_grad)
         self.fp8 = fp8
 

@@ -20,6 +20,7 @@ def copy_as_views(values: Iterable[object], device: torch.device | str | None = 
     view and its gaps are lost, and two views of one buffer become two buffers. A test that runs a kernel
     on a copy made here checks the same layouts, and the same bytes around them, on a GPU as on CPU.
     """
+    values = list(values)  # alive while copying: a freed temporary's id and address would be reused
     storages: dict[tuple[int, torch.device], torch.Tensor] = {}
     views: dict[int, torch.Tensor] = {}
     copied: list[object] = []

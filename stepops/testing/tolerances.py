@@ -91,7 +91,9 @@ TOLERANCES: dict[str, Tolerance] = {
         "flips above), a code may cross a rounding boundary (and every code of a block whose max moved), and the "
         "expert output moves by a few ulps of the residual stream instead of one. Seen: 4 ulps (2**-5) in one of "
         "16 runs, with 5.4% of the elements differing; equal inputs give equal outputs but for rare fp32 "
-        "sum-order ulps (test_step5_reference). A layer without the input rounding differs on ~96% of elements",
+        "sum-order ulps (test_step5_reference). Wide: a layer without the input rounding can stay inside it (seen up to "
+        "0.082 against the 2-layer bound 0.078); what tells it apart is the share of differing elements (~92% "
+        "against at most 5.4%), which the tests bound at 1/8",
     ),
     "tensor_parallel_vs_single_rank": Tolerance(
         atol=2**-3,

@@ -310,6 +310,11 @@ def test_inkling_float_fields_refuse_other_types_and_non_finite_values(name, val
     error = ValueError if type(value) is float else TypeError
     with pytest.raises(error, match=rf"^{name} must be (a float, got|finite, got)"):
         InklingConfig(**{name: value})
+
+
+def test_inkling_float_fields_refuse_an_int_past_float_and_a_zero_logits_multiplier():
+    with pytest.raises(ValueError, match="route_scale must be finite"):
+        InklingConfig(route_scale=10**400)  # an OverflowError from math.isfinite before
     with pytest.raises(ValueError, match="logits_mup_width_multiplier divides the logits"):
         InklingConfig(logits_mup_width_multiplier=0)
 

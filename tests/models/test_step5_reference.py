@@ -113,7 +113,7 @@ _FP8_MOE_EQUAL_FRACTION = 0.99
 @pytest.mark.parametrize("round_inputs", [True, False], ids=["as_the_reference", "weights_only"])
 def test_fp8_experts_compute_the_reference_fp8_gemm(round_inputs, monkeypatch):
     """The same ``h`` into the layer's MoE and the recompute's: they agree as two fp8 GEMMs do, and a layer
-    that only dequantised the weights (stepops until 2026-12-03) fails the same bar."""
+    that only dequantises the weights (no input rounding) fails the same bar."""
     import stepops.models.step5 as step5
     import stepops.testing.step5_reference as reference
 
