@@ -428,18 +428,26 @@ class Step5MoE(nn.Module):
             out = out + chosen[:, slot].float() * weights[:, slot, None]
         return out.to(x.dtype)
 
+    def gate_up_inputs(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x`` as the gate and the up GEMMs take it (:meth:`StackedExpertWeight.matmul_input`), rounded once
+        when both round it."""
+        gate = self.gate_proj.matmul_input(x)
+        return gate, gate if self.up_proj.fp8 == self.gate_proj.fp8 else self.up_proj.matmul_input(x)
+
     def all_experts(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """``[T, k, hidden]``: every expert on every token (one GEMM), the outputs of ``ids [T, k]`` gathered."""
         num_tokens = x.shape[0]
         num_experts, inner, hidden = self.gate_proj.weight.shape
 
-        def every_expert(proj: StackedExpertWeight) -> torch.Tensor:  # [T, E, I] in x's dtype
-            flat = F.linear(proj.matmul_input(x), proj.weight.reshape(num_experts * inner, hidden))
+        def every_expert(proj: StackedExpertWeight, rows: torch.Tensor) -> torch.Tensor:  # [T, E, I], x's dtype
+            flat = F.linear(rows, proj.weight.reshape(num_experts * inner, hidden))
             return flat.to(x.dtype).view(num_tokens, num_experts, inner)
 
-        act = clamped_swiglu(every_expert(self.gate_proj), every_expert(self.up_proj), self.limit).transpose(0, 1)
+        gate_rows, up_rows = self.gate_up_inputs(x)
+        act = clamped_swiglu(every_expert(self.gate_proj, gate_rows), every_expert(self.up_proj, up_rows), self.limit)
         down = self.down_proj
-        expert_out = torch.bmm(down.matmul_input(act), down.weight.transpose(1, 2)).to(x.dtype)  # [E, T, hidden]
+        act = down.matmul_input(act.transpose(0, 1))  # [E, T, I]
+        expert_out = torch.bmm(act, down.weight.transpose(1, 2)).to(x.dtype)  # [E, T, hidden]
         return expert_out.transpose(0, 1).gather(1, ids[:, :, None].expand(-1, -1, hidden))
 
     def chosen_experts(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -449,11 +457,13 @@ class Step5MoE(nn.Module):
 
         def chosen(proj: StackedExpertWeight, rows: torch.Tensor) -> torch.Tensor:  # rows [T, k|1, 1, in]
             weight = proj.weight.index_select(0, flat).view(num_tokens, top_k, *proj.weight.shape[1:])
-            return (proj.matmul_input(rows) @ weight.transpose(-1, -2)).to(x.dtype)  # W^T per (token, slot)
+            return (rows @ weight.transpose(-1, -2)).to(x.dtype)  # W^T per (token, slot)
 
-        row = x[:, None, None, :]  # one row per (token, slot), as F.linear's row-times-W^T
-        act = clamped_swiglu(chosen(self.gate_proj, row), chosen(self.up_proj, row), self.limit)
-        return chosen(self.down_proj, act)[:, :, 0]  # [T, k, hidden] bf16
+        # One row per (token, slot), as F.linear's row-times-W^T.
+        gate_rows, up_rows = (rows[:, None, None, :] for rows in self.gate_up_inputs(x))
+        act = clamped_swiglu(chosen(self.gate_proj, gate_rows), chosen(self.up_proj, up_rows), self.limit)
+        return chosen(self.down_proj, self.down_proj.matmul_input(act))[:, :, 0]  # [T, k, hidden] bf16
+
 
 class Step5Attention(nn.Module):
     """The attention block: projections, per-head q/k norms, rope, the head-wise gate and, on CSA layers,
