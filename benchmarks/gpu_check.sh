@@ -12,19 +12,17 @@
 set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
-case "${1:-}" in
-    gpu_tests | benchmarks | attention | demo)
-        echo "gpu_check.sh: '$1' is a part; the first argument is OUT_DIR (gpu_check.sh OUT_DIR $*)" >&2; exit 2 ;;
-esac
+all_parts=(gpu_tests benchmarks attention demo)
+is_part() { [[ " ${all_parts[*]} " == *" $1 "* ]]; }
+if [ $# -gt 0 ] && is_part "$1"; then
+    echo "gpu_check.sh: '$1' is a part; the first argument is OUT_DIR (gpu_check.sh OUT_DIR $*)" >&2; exit 2
+fi
 out="${1:-$root/benchmarks/results/gpu_check}"
 [ $# -gt 0 ] && shift
 parts=("$@")
-[ ${#parts[@]} -eq 0 ] && parts=(gpu_tests benchmarks attention demo)
+[ ${#parts[@]} -eq 0 ] && parts=("${all_parts[@]}")
 for part in "${parts[@]}"; do
-    case "$part" in
-        gpu_tests | benchmarks | attention | demo) ;;
-        *) echo "gpu_check.sh: unknown part '$part' (gpu_tests, benchmarks, attention, demo)" >&2; exit 2 ;;
-    esac
+    is_part "$part" || { echo "gpu_check.sh: unknown part '$part' (${all_parts[*]})" >&2; exit 2; }
 done
 # The tests that differ on a GPU, GPU-only ones first: CUDA-graph capture and replay, the launchers' device
 # guard, the model steps with the Triton kernels against the recomputes, and every op test, where the Triton
