@@ -332,15 +332,46 @@ class Step5MLP(nn.Module):
         return self.down_proj(clamped_swiglu(self.gate_proj(x), self.up_proj(x), self.limit))
 
 
+def check_fp8_blocks(name: str, weight: torch.Tensor, scale_inv: torch.Tensor) -> None:
+    """``TypeError``/``ValueError`` naming ``name`` unless ``weight [..., out, in]`` is float8_e4m3fn and
+    ``scale_inv`` fp32 ``[..., ceil(out/128), ceil(in/128)]`` (one scale per 128 x 128 block)."""
+    if weight.dtype != torch.float8_e4m3fn:
+        raise TypeError(f"{name}: an fp8 expert weight must be float8_e4m3fn, got {weight.dtype}")
+    if scale_inv.dtype != torch.float32:
+        raise TypeError(f"{name}: weight_scale_inv must be float32, got {scale_inv.dtype}")
+    if weight.dim() < 2:
+        raise ValueError(f"{name}: an fp8 weight must be [..., out, in], got shape {tuple(weight.shape)}")
+    out_features, in_features = weight.shape[-2:]
+    blocks = (-(-out_features // FP8_BLOCK), -(-in_features // FP8_BLOCK))
+    if scale_inv.shape != weight.shape[:-2] + blocks:
+        raise ValueError(
+            f"{name}: weight_scale_inv must be {tuple(weight.shape[:-2] + blocks)} for a weight of "
+            f"{tuple(weight.shape)}, got {tuple(scale_inv.shape)}"
+        )
+
+
+def dequantize_fp8_blocks(weight: torch.Tensor, scale_inv: torch.Tensor, *, name: str = "fp8 weight") -> torch.Tensor:
+    """``weight [..., out, in]`` float8_e4m3fn times ``scale_inv [..., ceil(out/128), ceil(in/128)]`` fp32
+    (each scale covers one 128 x 128 block) in fp32: the reference's ``w_fp8 * weight_scale_inv[block]``
+    (:func:`check_fp8_blocks` first)."""
+    check_fp8_blocks(name, weight, scale_inv)
+    out_features, in_features = weight.shape[-2:]
+    scale = scale_inv.repeat_interleave(FP8_BLOCK, -2)[..., :out_features, :]
+    scale = scale.repeat_interleave(FP8_BLOCK, -1)[..., :in_features]
+    return weight.float() * scale
+
+
 class StackedExpertWeight(nn.Module):
     """One ``[num_experts, out, in]`` weight (the checkpoint's ``moe.{gate,up,down}_proj.weight``).
 
-    ``fp8``: loaded from e4m3 codes with 128 x 128 block scales (:meth:`load`). The weight is then held
-    dequantised in fp32 (an e4m3 code times its fp32 scale is off by 2**-24 there, by 2**-9 in bf16), and the
-    reference's fp8 GEMM rounds its input to e4m3 as well (:func:`round_to_e4m3_blocks`): :meth:`matmul_input`.
-    Loading may replace the Parameter (another dtype), so load before compiling, capturing or handing the
-    parameters to anything; ``fp8`` is no part of ``state_dict()``: load an fp8 checkpoint with
-    ``step5_weights.load_step5_state_dict``, not ``load_state_dict`` (which would cast into bf16 experts).
+    ``fp8`` (loaded with a scale, :meth:`load`): ``weight`` holds the checkpoint's e4m3 codes as they are,
+    1 byte per weight, and ``weight_scale_inv`` its fp32 scale per 128 x 128 block. Each GEMM multiplies
+    the experts it runs dequantised to fp32 (:meth:`dequantized`: a code times its scale is off by 2**-24
+    there, by 2**-9 in bf16), with its input rounded to e4m3 as the reference's fp8 GEMM rounds it
+    (:func:`round_to_e4m3_blocks`, :meth:`matmul_input`). Both tensors are in ``state_dict()``; load them
+    with ``step5_weights.load_step5_state_dict`` (a fresh model has no ``weight_scale_inv`` for
+    ``load_state_dict`` to fill). Loading may replace the Parameter (another dtype), so load before
+    compiling, capturing or handing the parameters to anything.
     """
 
     def __init__(self, num_experts: int, out_features: int, in_features: int, dtype: torch.dtype) -> None:
@@ -348,19 +379,39 @@ class StackedExpertWeight(nn.Module):
         self.weight = nn.Parameter(torch.empty(num_experts, out_features, in_features, dtype=dtype))
         nn.init.uniform_(self.weight, -(in_features**-0.5), in_features**-0.5)
         self.built_dtype = dtype
-        self.fp8 = False
+        self.register_buffer("weight_scale_inv", None)
 
-    def load(self, weight: torch.Tensor, *, fp8: bool) -> None:
-        """Hold a checkpoint's ``weight`` (this one's shape): with ``fp8``, its e4m3 codes times their block
-        scales (``step5_weights.dequantize_fp8_blocks``) in fp32; otherwise in the dtype it was built with."""
-        dtype = torch.float32 if fp8 else self.built_dtype
+    @property
+    def fp8(self) -> bool:
+        """Whether the weight is e4m3 codes with block scales."""
+        return self.weight_scale_inv is not None
+
+    def load(self, weight: torch.Tensor, scale_inv: torch.Tensor | None = None, *, name: str = "weight") -> None:
+        """Hold a checkpoint's ``weight`` (this one's shape, never aliasing the caller's tensor): with
+        ``scale_inv``, as float8_e4m3fn codes and their block scales (checked by :func:`check_fp8_blocks`);
+        otherwise in the dtype it was built with."""
+        if scale_inv is not None:
+            check_fp8_blocks(name, weight, scale_inv)
+        dtype = weight.dtype if scale_inv is not None else self.built_dtype
         with torch.no_grad():
             if self.weight.dtype == dtype:
                 self.weight.copy_(weight)
             else:
-                held = weight.to(device=self.weight.device, dtype=dtype, copy=True)  # never the caller's tensor
-                self.weight = nn.Parameter(held, requires_grad=self.weight.requires_grad)
-        self.fp8 = fp8
+                held = weight.to(device=self.weight.device, dtype=dtype, copy=True)
+                self.weight = nn.Parameter(held, requires_grad=self.weight.requires_grad and scale_inv is None)
+        if scale_inv is not None:
+            scale_inv = scale_inv.to(device=self.weight.device, copy=True)
+        self.weight_scale_inv = scale_inv
+
+    def dequantized(self, expert_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """``[num_experts | len(expert_ids), out, in]``: the weights of ``expert_ids`` (all experts when
+        ``None``) as the GEMM multiplies them: e4m3 codes times their block scales in fp32 for an fp8
+        weight (only the chosen experts' codes are gathered), as held otherwise."""
+        weight, scale = self.weight, self.weight_scale_inv
+        if expert_ids is not None:
+            weight = weight.index_select(0, expert_ids)
+            scale = None if scale is None else scale.index_select(0, expert_ids)
+        return weight if scale is None else dequantize_fp8_blocks(weight, scale)
 
     def matmul_input(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` as this weight's GEMM takes it: rounded to e4m3 per block in fp32 for an fp8 weight (the
@@ -388,8 +439,9 @@ class Step5MoE(nn.Module):
 
     They differ only where a GEMM's blocking depends on its row count (1 row per (token, slot) against ``T``
     rows): in bf16 on CPU bitwise equal (tests/models/test_moe_small_step.py), in fp32 a few ulps of a dot
-    product. An fp8 checkpoint's experts are held dequantised in fp32 and their GEMMs take inputs rounded to
-    e4m3 and sum in fp32, as the reference's ``fp8_gemm`` (:class:`StackedExpertWeight`).
+    product. An fp8 checkpoint's experts are held as e4m3 codes and block scales, dequantised to fp32 for
+    each GEMM, whose inputs are rounded to e4m3 and which sums in fp32, as the reference's ``fp8_gemm``
+    (:class:`StackedExpertWeight`).
     """
 
     def __init__(self, config: Step5Config, dtype: torch.dtype) -> None:
@@ -440,14 +492,14 @@ class Step5MoE(nn.Module):
         num_experts, inner, hidden = self.gate_proj.weight.shape
 
         def every_expert(proj: StackedExpertWeight, rows: torch.Tensor) -> torch.Tensor:  # [T, E, I], x's dtype
-            flat = F.linear(rows, proj.weight.reshape(num_experts * inner, hidden))
+            flat = F.linear(rows, proj.dequantized().reshape(num_experts * inner, hidden))
             return flat.to(x.dtype).view(num_tokens, num_experts, inner)
 
         gate_rows, up_rows = self.gate_up_inputs(x)
         act = clamped_swiglu(every_expert(self.gate_proj, gate_rows), every_expert(self.up_proj, up_rows), self.limit)
         down = self.down_proj
         act = down.matmul_input(act.transpose(0, 1))  # [E, T, I]
-        expert_out = torch.bmm(act, down.weight.transpose(1, 2)).to(x.dtype)  # [E, T, hidden]
+        expert_out = torch.bmm(act, down.dequantized().transpose(1, 2)).to(x.dtype)  # [E, T, hidden]
         return expert_out.transpose(0, 1).gather(1, ids[:, :, None].expand(-1, -1, hidden))
 
     def chosen_experts(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -456,7 +508,7 @@ class Step5MoE(nn.Module):
         flat = ids.flatten()
 
         def chosen(proj: StackedExpertWeight, rows: torch.Tensor) -> torch.Tensor:  # rows [T, k|1, 1, in]
-            weight = proj.weight.index_select(0, flat).view(num_tokens, top_k, *proj.weight.shape[1:])
+            weight = proj.dequantized(flat).view(num_tokens, top_k, *proj.weight.shape[1:])
             return (rows @ weight.transpose(-1, -2)).to(x.dtype)  # W^T per (token, slot)
 
         # One row per (token, slot), as F.linear's row-times-W^T.

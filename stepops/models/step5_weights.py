@@ -4,8 +4,8 @@ The model's parameters carry the checkpoint's names (``layers.{i}.input_layernor
 ``layers.{i}.self_attn.{q,k,v,o,g}_proj.weight``, ``...self_attn.sparse_indexer_{q,k,z,w}.weight``,
 ``...mlp.*``, ``...moe.gate.weight``, ``...moe.router_bias``, ``...moe.{gate,up,down}_proj.weight``,
 ``...share_expert.*``, ``norm.weight``), so loading is a checked copy. Routed experts stored as
-float8_e4m3fn with ``weight_scale_inv`` (one fp32 scale per 128 x 128 block, multiplied in) are
-dequantised here, once, to fp32, and their GEMMs then round their inputs to e4m3 as the reference's
+float8_e4m3fn with ``weight_scale_inv`` (one fp32 scale per 128 x 128 block, multiplied in) are held as
+they are, and their GEMMs multiply them dequantised and round their inputs to e4m3 as the reference's
 ``fp8_gemm`` does (:class:`~stepops.models.step5.StackedExpertWeight`). A name the model lacks, or a
 parameter the checkpoint lacks, is a ``ValueError`` listing them all.
 """
@@ -18,44 +18,13 @@ from pathlib import Path
 
 import torch
 
-from stepops.models.step5 import FP8_BLOCK, StackedExpertWeight, Step5Model
+from stepops.models.dtypes import tensor_dtypes
+from stepops.models.step5 import StackedExpertWeight, Step5Model, check_fp8_blocks
 
 SCALE_SUFFIX = ".weight_scale_inv"
 # In the checkpoint but read by nothing: the reference registers ssmax_s at its initial value and its
 # indexer scores with a weighted ReLU, which has no softmax for it to scale.
 IGNORED = re.compile(r"layers\.\d+\.self_attn\.ssmax_s")
-
-
-def check_fp8_blocks(name: str, weight: torch.Tensor, scale_inv: torch.Tensor) -> None:
-    """``TypeError``/``ValueError`` naming ``name`` unless ``weight [..., out, in]`` is float8_e4m3fn and
-    ``scale_inv`` fp32 ``[..., ceil(out/128), ceil(in/128)]`` (one scale per 128 x 128 block)."""
-    if weight.dtype != torch.float8_e4m3fn:
-        raise TypeError(f"{name}: an fp8 expert weight must be float8_e4m3fn, got {weight.dtype}")
-    if scale_inv.dtype != torch.float32:
-        raise TypeError(f"{name}: weight_scale_inv must be float32, got {scale_inv.dtype}")
-    if weight.dim() < 2:
-        raise ValueError(f"{name}: an fp8 weight must be [..., out, in], got shape {tuple(weight.shape)}")
-    out_features, in_features = weight.shape[-2:]
-    blocks = (-(-out_features // FP8_BLOCK), -(-in_features // FP8_BLOCK))
-    if scale_inv.shape != weight.shape[:-2] + blocks:
-        raise ValueError(
-            f"{name}: weight_scale_inv must be {tuple(weight.shape[:-2] + blocks)} for a weight of "
-            f"{tuple(weight.shape)}, got {tuple(scale_inv.shape)}"
-        )
-
-
-def dequantize_fp8_blocks(
-    weight: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype, *, name: str = "fp8 weight"
-) -> torch.Tensor:
-    """``weight [..., out, in]`` float8_e4m3fn times ``scale_inv [..., ceil(out/128), ceil(in/128)]`` fp32
-    (each scale covers one 128 x 128 block), in fp32, rounded once to ``dtype`` (:func:`check_fp8_blocks`)."""
-    check_fp8_blocks(name, weight, scale_inv)
-    out_features, in_features = weight.shape[-2:]
-    scale = scale_inv.repeat_interleave(FP8_BLOCK, -2)[..., :out_features, :]
-    scale = scale.repeat_interleave(FP8_BLOCK, -1)[..., :in_features]
-    out = weight.float()
-    out *= scale
-    return out.to(dtype)
 
 
 def load_step5_state_dict(model: Step5Model, state_dict: Mapping[str, torch.Tensor], *, prefix: str = "") -> None:
@@ -93,12 +62,13 @@ def load_step5_state_dict(model: Step5Model, state_dict: Mapping[str, torch.Tens
             raise TypeError(f"{prefix}{name}: expected a floating-point tensor (fp8 needs a weight_scale_inv), got {tensor.dtype}")
         if tensor.shape != param.shape:
             raise ValueError(f"{prefix}{name}: shape {tuple(tensor.shape)} does not match the model's {tuple(param.shape)}")
-    for name, param in params.items():  # one expert dequantised at a time
+    for name, param in params.items():
         tensor = tensors[name]
         if name in experts:
-            fp8 = name in scales
-            experts[name].load(dequantize_fp8_blocks(tensor, scales[name], torch.float32) if fp8 else tensor, fp8=fp8)
-            model.built_dtypes[name] = experts[name].weight.dtype  # fp32 for an fp8 checkpoint's experts
+            expert = experts[name]
+            expert.load(tensor, scales.get(name), name=prefix + name)
+            module_name = name[: -len(".weight")]  # e4m3 codes and fp32 scales for an fp8 checkpoint's experts
+            model.built_dtypes.update({f"{module_name}.{n}": dtype for n, dtype in tensor_dtypes(expert).items()})
         else:
             with torch.no_grad():
                 param.copy_(tensor)

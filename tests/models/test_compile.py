@@ -373,7 +373,7 @@ def test_fake_cuda_trace_has_no_graph_break(monkeypatch):
     reason="torch 2.11's CPU Inductor ignores emulate_precision_casts (measured); the runner still passes it",
 )
 def test_inductor_keeps_the_bf16_roundings_fp8_experts_round_to_e4m3_after():
-    """An fp8 checkpoint's MoE compiled with the runner's Inductor options equals eager bitwise; with
+    """An fp8 checkpoint's MoE compiled with the runner's Inductor options equals eager bitwise on both paths; with
     Inductor's defaults (a bf16 rounding inside a fused kernel dropped) about 80% of its outputs differ."""
     from stepops.models.runner import INDUCTOR_OPTIONS
     from stepops.models.step5_weights import load_step5_state_dict
@@ -383,12 +383,16 @@ def test_inductor_keeps_the_bf16_roundings_fp8_experts_round_to_e4m3_after():
     model = Step5Model(config)
     load_step5_state_dict(model, random_step5_checkpoint(config, seed=0))
     moe = model.layers[config.moe_layers[0]].moe
-    h = torch.randn(64, config.hidden_size, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
-    with torch.inference_mode():
-        want = moe(h)
-        differing = {}
-        for name, options in (("runner", INDUCTOR_OPTIONS), ("defaults", None)):
-            torch._dynamo.reset()
-            got = torch.compile(moe, backend="inductor", fullgraph=True, options=options)(h)
-            differing[name] = float((got != want).float().mean())
-    assert differing["runner"] == 0.0 and differing["defaults"] > 0.5, differing
+    differing = {}
+    # 1 token gathers the chosen experts' codes, 64 run every expert (Step5MoE's two paths).
+    for num_tokens, option_sets in ((1, ("runner",)), (64, ("runner", "defaults"))):
+        h = torch.randn(num_tokens, config.hidden_size, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+        with torch.inference_mode():
+            want = moe(h)
+            for name in option_sets:
+                torch._dynamo.reset()
+                options = INDUCTOR_OPTIONS if name == "runner" else None
+                got = torch.compile(moe, backend="inductor", fullgraph=True, options=options)(h)
+                differing[name, num_tokens] = float((got != want).float().mean())
+    assert moe.small_step_max_tokens == 1, "the 1-token step must take the gathering path"
+    assert differing["runner", 1] == differing["runner", 64] == 0.0 and differing["defaults", 64] > 0.5, differing

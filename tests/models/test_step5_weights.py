@@ -7,8 +7,8 @@ from safetensors.torch import save_file
 
 from stepops.layouts import InklingStream
 from stepops.models import Step5Config, Step5Model
-from stepops.models.step5 import CSA, SLIDING, STEP5_REFERENCE, Llama3RopeScaling
-from stepops.models.step5_weights import dequantize_fp8_blocks, load_step5_safetensors, load_step5_state_dict
+from stepops.models.step5 import CSA, SLIDING, STEP5_REFERENCE, Llama3RopeScaling, dequantize_fp8_blocks
+from stepops.models.step5_weights import load_step5_safetensors, load_step5_state_dict
 from stepops.testing.step5_checkpoint import random_step5_checkpoint
 
 _CONFIG = Step5Config()  # layer 0: sliding + MoE, layer 1: CSA + dense MLP
@@ -35,11 +35,32 @@ def test_a_reference_named_checkpoint_loads_every_parameter():
         assert torch.equal(params[name], checkpoint[name].to(params[name].dtype)), name
     assert params["layers.1.self_attn.sparse_indexer_w.weight"].dtype == torch.float32
     assert params["layers.0.moe.router_bias"].dtype == torch.float32
-    experts = params["layers.0.moe.down_proj.weight"]
-    want = _dequantize_per_block(checkpoint["layers.0.moe.down_proj.weight"], checkpoint["layers.0.moe.down_proj.weight_scale_inv"])
-    # Held in fp32 (bf16 would round each code x scale to 8 bits) and recorded as the model's dtype for it.
-    assert experts.dtype == torch.float32 and torch.equal(experts, want)
-    assert model.layers[0].moe.down_proj.fp8 and model.built_dtypes["layers.0.moe.down_proj.weight"] == torch.float32
+    codes, scale = checkpoint["layers.0.moe.down_proj.weight"], checkpoint["layers.0.moe.down_proj.weight_scale_inv"]
+    down = model.layers[0].moe.down_proj
+    # Held as the checkpoint's codes (1 byte per weight) and scales, recorded as the model's dtypes for them;
+    # each GEMM multiplies them dequantised in fp32 (bf16 would round each code x scale to 8 bits).
+    assert down.fp8 and down.weight.dtype == torch.float8_e4m3fn and torch.equal(down.weight.view(torch.uint8), codes.view(torch.uint8))
+    assert torch.equal(down.weight_scale_inv, scale) and down.weight_scale_inv.data_ptr() != scale.data_ptr()
+    assert model.built_dtypes["layers.0.moe.down_proj.weight"] == torch.float8_e4m3fn
+    assert model.built_dtypes["layers.0.moe.down_proj.weight_scale_inv"] == torch.float32
+    assert torch.equal(down.dequantized(), _dequantize_per_block(codes, scale))
+    ids = torch.tensor([3, 0, 3])
+    assert torch.equal(down.dequantized(ids), _dequantize_per_block(codes[ids], scale[ids]))
+
+
+def test_an_fp8_models_state_dict_loads_into_a_fresh_model():
+    """``state_dict()`` carries the codes and their scales: loading it reproduces the experts bit for bit,
+    and ``load_state_dict`` into a fresh model, which has no scales to fill, refuses it."""
+    model = Step5Model(_CONFIG)
+    load_step5_state_dict(model, random_step5_checkpoint(_CONFIG, seed=0))
+    state = model.state_dict()
+    assert state["layers.0.moe.up_proj.weight_scale_inv"].dtype == torch.float32
+    again = Step5Model(_CONFIG)
+    load_step5_state_dict(again, state)
+    for name, tensor in again.state_dict().items():
+        assert tensor.dtype == state[name].dtype and torch.equal(tensor.view(torch.uint8), state[name].view(torch.uint8)), name
+    with pytest.raises(RuntimeError, match=r"Unexpected key\(s\).*weight_scale_inv"):
+        Step5Model(_CONFIG).load_state_dict(state)
 
 
 def test_fp8_dequantisation_uses_one_scale_per_128_block():
@@ -47,13 +68,13 @@ def test_fp8_dequantisation_uses_one_scale_per_128_block():
     gen = torch.Generator().manual_seed(0)
     weight = torch.randn(2, 200, 300, generator=gen).to(torch.float8_e4m3fn)
     scale = torch.rand(2, 2, 3, generator=gen) + 0.5
-    got = dequantize_fp8_blocks(weight, scale, torch.float32)
+    got = dequantize_fp8_blocks(weight, scale)
     assert torch.equal(got, _dequantize_per_block(weight, scale))
     assert torch.equal(got[1, 150, 290], weight[1, 150, 290].float() * scale[1, 1, 2])
     with pytest.raises(ValueError, match=r"weight_scale_inv must be \(2, 2, 3\)"):
-        dequantize_fp8_blocks(weight, scale[:, :1], torch.bfloat16)
+        dequantize_fp8_blocks(weight, scale[:, :1])
     with pytest.raises(TypeError, match="float8_e4m3fn"):
-        dequantize_fp8_blocks(weight.float(), scale, torch.bfloat16)
+        dequantize_fp8_blocks(weight.float(), scale)
 
 
 def test_safetensors_directory_with_a_prefix(tmp_path):
@@ -127,7 +148,9 @@ def test_bf16_experts_load_as_they_are():
     checkpoint = random_step5_checkpoint(_CONFIG, seed=0, fp8_experts=False)
     model = Step5Model(_CONFIG)
     load_step5_state_dict(model, checkpoint)
-    assert torch.equal(model.layers[0].moe.gate_proj.weight, checkpoint["layers.0.moe.gate_proj.weight"])
+    gate = model.layers[0].moe.gate_proj
+    assert not gate.fp8 and "layers.0.moe.gate_proj.weight_scale_inv" not in model.state_dict()
+    assert torch.equal(gate.weight, checkpoint["layers.0.moe.gate_proj.weight"])
 
 
 def test_the_released_models_numbers():
