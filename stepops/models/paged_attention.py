@@ -62,6 +62,8 @@ def _lookup_blocks(table: torch.Tensor, column: torch.Tensor) -> tuple[torch.Ten
     allocated (the column inside the table, its entry not negative). A lookup that is not allocated must be
     masked, never read: block 0 belongs to another request."""
     max_blocks = table.shape[1]
+    if max_blocks == 0:  # no block at all: nothing is allocated
+        return torch.zeros_like(column), torch.zeros_like(column, dtype=torch.bool)
     block = table.gather(1, column.clamp(0, max_blocks - 1).flatten(1)).view_as(column)
     return block.clamp(min=0), (column >= 0) & (column < max_blocks) & (block >= 0)
 
@@ -135,7 +137,9 @@ def _softmax_finish(state: _SoftmaxState) -> torch.Tensor:
     return state.acc / torch.where(state.sum > 0, state.sum, torch.ones_like(state.sum))
 
 
-def _check_attention_inputs(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor) -> None:
+def _check_attention_inputs(
+    query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, token: TokenMetadata
+) -> None:
     if query.dim() != 3 or kv_cache.dim() != 4:
         raise ValueError(
             f"query must be [T, Hq, D] and kv_cache [num_blocks, N, Hkv, D + Dv]; got {tuple(query.shape)} "
@@ -150,6 +154,11 @@ def _check_attention_inputs(query: torch.Tensor, kv_cache: torch.Tensor, block_t
     if block_table.dim() != 2 or block_table.dtype not in (torch.int32, torch.int64):
         raise ValueError(
             f"block_table must be [R, max_blocks] int32/int64, got {tuple(block_table.shape)} {block_table.dtype}"
+        )
+    if token.position.shape != query.shape[:1]:
+        raise ValueError(
+            f"token metadata of shape {tuple(token.position.shape)} for a query of {query.shape[0]} tokens: build it "
+            "for this step's tokens"
         )
 
 
@@ -194,7 +203,7 @@ def paged_attention(
     ``[tiles, chunk, Hkv, D + Dv]`` gather and ``[tiles, Hq, Qt, chunk]`` fp32 scores. Full attention walks
     every column of the table; a window only the ``(window + Qt - 2) // N + 2`` columns around each tile.
     """
-    _check_attention_inputs(query, kv_cache, block_table)
+    _check_attention_inputs(query, kv_cache, block_table, token)
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
     if query_tile < 1 or keys_per_chunk < 1:
@@ -202,9 +211,12 @@ def paged_attention(
     num_tokens, num_heads, head_size = query.shape
     block_size, num_kv_heads = kv_cache.shape[1], kv_cache.shape[2]
     value_size = kv_cache.shape[3] - head_size
-    if distance_bias is not None and (distance_bias.dim() != 3 or distance_bias.shape[:2] != (num_tokens, num_heads)):
+    if distance_bias is not None and (
+        distance_bias.dim() != 3 or distance_bias.shape[:2] != (num_tokens, num_heads) or distance_bias.shape[2] < 1
+    ):
         raise ValueError(
-            f"distance_bias must be [T, Hq, E] = [{num_tokens}, {num_heads}, E], got {tuple(distance_bias.shape)}"
+            f"distance_bias must be [T, Hq, E] = [{num_tokens}, {num_heads}, E >= 1] (None for no bias), got "
+            f"{tuple(distance_bias.shape)}"
         )
     if num_tokens == 0 or block_table.shape[0] == 0:  # T = 0 or R = 0: every token is padding
         return query.new_zeros(num_tokens, num_heads, value_size)
@@ -294,12 +306,14 @@ def sparse_region_attention(
     ``[T, G, (K + 1) * 8, Hkv/G, D + Dv]`` rows; returns ``[T, Hq, Dv]`` in ``query.dtype`` (fp32 softmax,
     zero rows for padding).
     """
-    _check_attention_inputs(query, kv_cache, block_table)
+    _check_attention_inputs(query, kv_cache, block_table, token)
     num_tokens, num_heads, head_size = query.shape
     block_size, num_kv_heads = kv_cache.shape[1], kv_cache.shape[2]
     value_size = kv_cache.shape[3] - head_size
     if block_size % REGION_SIZE:
         raise ValueError(f"block size ({block_size}) must be a multiple of the region size {REGION_SIZE}")
+    if selected_regions.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"selected_regions must be int32/int64 region ids, got {selected_regions.dtype}")
     shape = tuple(selected_regions.shape)
     if len(shape) != 3 or shape[0] != num_tokens or shape[1] == 0 or num_kv_heads % shape[1]:
         raise ValueError(

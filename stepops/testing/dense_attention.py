@@ -33,16 +33,18 @@ def gather_paged_keys(
 ) -> PagedKeys:
     """Gather every token's request's keys and values from ``kv_cache [num_blocks, N, H, D + Dv]``.
 
-    ``block_table [R, max_blocks]`` int32 (entries ``< 0`` are unallocated and only ever masked), ``token``
-    the step's :class:`TokenMetadata`. ``S = max_blocks * N``: a static size, so the step keeps one shape.
+    ``block_table [R, max_blocks]`` int32 (entries ``< 0`` are unallocated: their keys are read from block
+    0 and masked out of ``causal``), ``token`` the step's :class:`TokenMetadata`. ``S = max_blocks * N``: a
+    static size, so the step keeps one shape.
     """
-    num_blocks, block_size = kv_cache.shape[:2]
+    block_size = kv_cache.shape[1]
     request = token.request.long().clamp(min=0)
-    blocks = block_table.long().clamp(min=0)[request]  # [T, max_blocks]
-    rows = kv_cache[blocks]  # [T, max_blocks, N, H, D + Dv]
+    table = block_table.long()[request]  # [T, max_blocks]
+    rows = kv_cache[table.clamp(min=0)]  # [T, max_blocks, N, H, D + Dv]
     rows = rows.flatten(1, 2)  # [T, S, H, D + Dv]
     key_position = torch.arange(rows.shape[1], device=kv_cache.device)
-    causal = key_position[None, :] <= token.position.long()[:, None]  # padding (-1) allows nothing
+    allocated = (table >= 0).repeat_interleave(block_size, 1)  # [T, S]
+    causal = (key_position[None, :] <= token.position.long()[:, None]) & allocated  # padding (-1) allows nothing
     return PagedKeys(rows[..., :head_size], rows[..., head_size:], causal)
 
 

@@ -180,21 +180,33 @@ def test_sliding_window_reads_only_its_columns():
 
 def test_unallocated_block_inside_the_context_is_masked():
     """A -1 entry among a request's columns (a block the engine never wrote or freed) hides its keys, in
-    both attentions; it is never read as block 0 (the dense path clamps -1 to 0 and trusts positions)."""
+    both attentions and in the dense oracle; it is never read as block 0 (another request's)."""
     step = make_step(*SCENARIOS["verify"], block_size=8, max_blocks=7)
     table = step.block_table.clone()
     table[1, 1] = -1  # request 1's positions 8..15: region 1
-    keys = gather_paged_keys(step.kv_cache, D, step.block_table, step.token)
+    keys = gather_paged_keys(step.kv_cache, D, table, step.token)
+    full = gather_paged_keys(step.kv_cache, D, step.block_table, step.token).causal
     region = torch.arange(keys.causal.shape[1]) // 8
     hole = (region == 1) & (step.token.request == 1)[:, None]
+    assert full[hole].any() and torch.equal(keys.causal, full & ~hole)
     got = paged_attention(step.query, step.kv_cache, table, step.token, scale=0.5, keys_per_chunk=8)
-    want = masked_attention(step.query, keys.key, keys.value, keys.causal & ~hole, 0.5)
+    want = masked_attention(step.query, keys.key, keys.value, keys.causal, 0.5)
     torch.testing.assert_close(got, want, **TOL[torch.float32])
     ids = torch.tensor([1, 0]).expand(step.query.shape[0], 1, 2)
     got = sparse_region_attention(step.query, step.kv_cache, table, step.token, ids, scale=0.5)
     own = region[None, :] == step.token.position.long()[:, None] // 8
-    want = masked_attention(step.query, keys.key, keys.value, keys.causal & ~hole & ((region < 2) | own), 0.5)
+    want = masked_attention(step.query, keys.key, keys.value, keys.causal & ((region < 2) | own), 0.5)
     torch.testing.assert_close(got, want, **TOL[torch.float32])
+
+
+def test_a_table_without_columns_reads_nothing():
+    """``max_blocks = 0``: every key is unallocated, so every output row is zero (no gather from column -1)."""
+    step = make_step(*SCENARIOS["decode"], block_size=8, max_blocks=7)
+    table = step.block_table[:, :0]
+    ids = torch.full((step.query.shape[0], 1, 2), -1)
+    for got in (paged_attention(step.query, step.kv_cache, table, step.token, scale=0.5),
+                sparse_region_attention(step.query, step.kv_cache, table, step.token, ids, scale=0.5)):
+        assert torch.equal(got, torch.zeros_like(got))
 
 
 def poison_unused_rows(step: Step, fill: float) -> torch.Tensor:
@@ -434,7 +446,12 @@ def test_compiled_memory_does_not_grow_with_the_context():
          "sliding_window"),
         (lambda s: paged_attention(s.query, s.kv_cache, s.block_table, s.token, scale=1.0,
                                    distance_bias=torch.zeros(1, HQ, 3)), "distance_bias"),
+        (lambda s: paged_attention(s.query, s.kv_cache, s.block_table, s.token, scale=1.0,
+                                   distance_bias=torch.zeros(4, HQ, 0)), "E >= 1"),
         (lambda s: paged_attention(s.query, s.kv_cache, s.block_table.float(), s.token, scale=1.0), "block_table"),
+        (lambda s: paged_attention(s.query[:3], s.kv_cache, s.block_table, s.token, scale=1.0), "token metadata"),
+        (lambda s: sparse_region_attention(s.query, s.kv_cache, s.block_table, TokenMetadata(*(m[:3] for m in s.token)),
+                                           torch.zeros(4, 1, 1, dtype=torch.long), scale=1.0), "token metadata"),
         (lambda s: sparse_region_attention(s.query, s.kv_cache, s.block_table, s.token,
                                            torch.zeros(4, 3, 1, dtype=torch.long), scale=1.0), "selected_regions"),
         (lambda s: sparse_region_attention(s.query, s.kv_cache[:, :4], s.block_table, s.token,
@@ -449,6 +466,12 @@ def test_bad_inputs_are_value_errors(call, match):
     step = make_step(*SCENARIOS["decode"], block_size=8, max_blocks=7)
     with pytest.raises(ValueError, match=match):
         call(step)
+
+
+def test_region_ids_that_are_not_integers_are_a_type_error():
+    step = make_step(*SCENARIOS["decode"], block_size=8, max_blocks=7)
+    with pytest.raises(TypeError, match="selected_regions must be int32/int64"):
+        sparse_region_attention(step.query, step.kv_cache, step.block_table, step.token, torch.zeros(4, 1, 1), scale=1.0)
 
 
 def test_no_model_module_imports_test_support():
