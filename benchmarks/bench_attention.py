@@ -94,8 +94,8 @@ def run_attention(
                 "provider": name,
                 "context": context,
                 "kv_read_mib": kv_read / 2**20,
-                "peak_eager_mib": peak_transient_bytes(lambda: fn(*args)) / 2**20,
-                "peak_compiled_mib": peak_transient_bytes(lambda: compiled(*args)) / 2**20,
+                "peak_eager_mib": _peak_bytes(lambda: fn(*args), settings.device) / 2**20,
+                "peak_compiled_mib": _peak_bytes(lambda: compiled(*args), settings.device) / 2**20,
                 "compiled_us": median_us(lambda: compiled(*args), settings),
             }
             row["us_per_kv_mib"] = row["compiled_us"] / row["kv_read_mib"]
