@@ -166,10 +166,8 @@ class InklingConfig:
             check_int(name, getattr(self, name), minimum)
         if not self.rms_norm_eps >= 0:
             raise ValueError(f"rms_norm_eps must be >= 0, got {self.rms_norm_eps}")
-        if GLOBAL in kinds and self.log_scaling_n_floor is not None and self.log_scaling_n_floor < 1:
-            raise ValueError(
-                f"log_scaling_n_floor must be None (no log scaling) or >= 1, got {self.log_scaling_n_floor}"
-            )
+        if GLOBAL in kinds and self.log_scaling_n_floor == 0:  # a negative floor scales by 1, as in transformers
+            raise ValueError("log_scaling_n_floor must be None (no log scaling) or nonzero, got 0 ((pos + 1) / 0)")
         for kind in (SLIDING, GLOBAL):
             heads, kv_heads, _ = self.attention_geometry(kind)
             if kind in kinds and heads % kv_heads:

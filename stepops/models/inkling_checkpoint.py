@@ -216,7 +216,9 @@ def _layer_types(hf: dict[str, Any]) -> tuple[list[str], list[str]]:
         local = set(local) if local is not None else {i for i in range(count) if (i + 1) % 6}
         layer_types = ["hybrid_sliding" if i in local else "hybrid" for i in range(count)]
     if mlp_layer_types is None:
-        dense = hf.get("dense_mlp_idx") or 0
+        dense = hf.get("dense_mlp_idx", 0)
+        if not is_int(dense):  # transformers fails building such a config
+            raise TypeError(f"dense_mlp_idx must be an int, got {type(dense).__name__}")
         mlp_layer_types = ["dense" if i < dense else "sparse" for i in range(count)]
     for name, types in (("layer_types", layer_types), ("mlp_layer_types", mlp_layer_types)):
         if count is not None and len(types) != count:

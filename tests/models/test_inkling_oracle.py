@@ -210,8 +210,10 @@ def test_unsupported_configs_are_errors(checkpoint, tmp_path, config_edit, messa
         (lambda c: c.update(num_hidden_layers="3"), r"num_hidden_layers must be an int, got str"),
         (lambda c: (c.pop("layer_types"), c.update(local_layer_ids=3)), r"local_layer_ids must be a list, got int"),
         (lambda c: c.update(mlp_layer_types="dense"), r"mlp_layer_types must be a list, got str"),
+        # Was read as 0 (every layer sparse) where transformers fails to build the config.
+        (lambda c: c.update(mlp_layer_types=None, dense_mlp_idx=None), r"dense_mlp_idx must be an int, got NoneType"),
     ],
-    ids=["layer_count_str", "local_ids_int", "mlp_types_str"],
+    ids=["layer_count_str", "local_ids_int", "mlp_types_str", "dense_idx_null"],
 )
 def test_mistyped_layer_fields_are_type_errors(checkpoint, tmp_path, config_edit, message):
     """Were "num_hidden_layers (3) must equal the number of layer_types (3)", "'int' object is not
@@ -267,7 +269,7 @@ def test_release_style_config_names_load_as_transformers_reads_them(checkpoint, 
         (dict(num_kv_heads=0), r"num_kv_heads must be >= 1, got 0"),
         (dict(rel_extent=0), r"rel_extent must be >= 1, got 0"),
         (dict(num_speculative_tokens=-1), r"num_speculative_tokens must be >= 0, got -1"),
-        (dict(log_scaling_n_floor=0), r"log_scaling_n_floor must be None \(no log scaling\) or >= 1, got 0"),
+        (dict(log_scaling_n_floor=0), r"log_scaling_n_floor must be None \(no log scaling\) or nonzero, got 0"),
         (dict(rms_norm_eps=-1e-6), r"rms_norm_eps must be >= 0"),
         # were accepted: transformers cannot build a negative width either (a RuntimeError at model build)
         (dict(d_rel=-1), r"d_rel must be >= 0, got -1"),
@@ -589,6 +591,15 @@ def test_config_variants_equal_transformers(variant, tmp_path):
     hf32, hf16 = _hf(checkpoint, torch.float32), _hf(checkpoint, torch.bfloat16)
     _every_layer_equals_transformers_in_fp32(checkpoint, hf32)
     _steps_equal_transformers_in_bf16(checkpoint, hf16, hf32)
+
+
+def test_a_negative_log_scaling_floor_scales_by_one_as_in_transformers(tmp_path):
+    """transformers' ``clamp(min=1)`` makes a negative floor scale the global layers by exactly 1 (it was
+    refused); fp32 layer by layer, the bf16 steps being no different from HF_CONFIG's."""
+    config = {**HF_CONFIG, "log_scaling_n_floor": -3}
+    checkpoint = _save(tmp_path, lambda shape: torch.randn(shape) * 0.5, config)
+    assert load_inkling(checkpoint).layers[1].log_scaling
+    _every_layer_equals_transformers_in_fp32(checkpoint, _hf(checkpoint, torch.float32))
 
 
 # 16 routed experts, top-2: steps of up to 7 tokens run only the chosen experts (``T * k < E``), so the
