@@ -31,7 +31,8 @@ def _log(message: str) -> None:
 def _parser() -> argparse.ArgumentParser:
     from benchmarks.harness import OP_MODULES
 
-    parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.split("\n")[0],
+                                     epilog="static takes only --json; every other option is run's.")
     parser.add_argument("command", nargs="?", choices=("run", "static"), default="run",
                         help="run: time ops and layers (default); static: the GPU-build table and decode estimates")
     parser.add_argument("--quick", action="store_true", help="small sizes: under two minutes on a 2-core CPU")

@@ -14,6 +14,11 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 all_parts=(gpu_tests benchmarks attention demo)
 is_part() { [[ " ${all_parts[*]} " == *" $1 "* ]]; }
+if [ $# -gt 0 ] && [[ "$1" == -* ]]; then  # --help, or an option: print the usage above
+    sed -n '2,11p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
+    [[ "$1" == -h || "$1" == --help ]] && exit 0
+    echo "gpu_check.sh: no options; OUT_DIR must not start with '-', got '$1'" >&2; exit 2
+fi
 if [ $# -gt 0 ] && is_part "$1"; then
     echo "gpu_check.sh: '$1' is a part; the first argument is OUT_DIR (gpu_check.sh OUT_DIR $*)" >&2; exit 2
 fi

@@ -168,11 +168,13 @@ sconv            decode_r64   _sconv_kernel            KERNEL_SIZE=4 RESIDUAL=Tr
             want = len(e["kernels"]) * c["launch_us"] + e["round_trips"] * c["memory_latency_us"] + floor_us
             self.assertAlmostEqual(e["estimated_us"], want, places=9)
             self.assertAlmostEqual(e["floor_percent"], 100 * floor_us / want, places=9)
+            self.assertTrue(1 <= e["dependent_load_chain"] <= e["round_trips"], e)
         # csa_ring_update before issue 16, measured at the same shapes (benchmarks/static_baseline.json).
         before = {e["decode_tokens"]: e for e in report["before"]}
         self.assertEqual(set(before), {64, 256})
         for tokens, old in before.items():
-            self.assertEqual((old["op"], old["round_trips"], old["registers"]), ("csa_ring_update", 19, 168))
+            self.assertEqual((old["op"], old["round_trips"], old["dependent_load_chain"], old["registers"]),
+                             ("csa_ring_update", 19, 3, 168))
             new = estimates["csa_ring_update", tokens]
             self.assertAlmostEqual(old["new_over_before"], new["floor_percent"] / old["floor_percent"])
             if triton.__version__ == SNAPSHOT_TRITON_VERSION:

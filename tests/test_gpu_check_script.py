@@ -51,6 +51,15 @@ def test_a_part_given_as_out_dir_stops_before_any_part():
     assert "'demo' is a part; the first argument is OUT_DIR" in result.stderr
 
 
+@pytest.mark.parametrize("flag", ["--help", "-x"])
+def test_an_option_prints_the_usage_and_runs_nothing(flag, tmp_path):
+    """``--help`` was taken as OUT_DIR: mkdir's usage, then errors about ``--help/summary.txt``."""
+    result = subprocess.run(["bash", str(_SCRIPT), flag], capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert result.returncode == (0 if flag == "--help" else 2), result.stdout + result.stderr
+    assert "benchmarks/gpu_check.sh [OUT_DIR [PART ...]]" in result.stdout
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_its_gpu_tests_collect_without_transformers_and_expecttest():
     """GPU machines may lack transformers and expecttest (the lent H200 image has neither in its package
     list): the ``gpu_tests`` part's test paths, read from the script, collect with both imports failing.
