@@ -21,6 +21,7 @@ import contextlib
 import math
 import random
 import time
+import types
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -57,6 +58,21 @@ def capture_sizes_for(max_tokens: int) -> tuple[int, ...]:
         sizes.append(size)
         size *= 2
     return tuple(sizes) + (max(max_tokens, 2),)
+
+
+def with_own_code(method: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """Bound ``method`` re-bound to a copy of its function that has its own code object.
+
+    Dynamo keeps compiled graphs, and counts recompiles toward ``torch._dynamo.config.recompile_limit``, per
+    code object, and every model of a class shares its ``forward``'s: a process that had compiled runners of
+    8 configs (a sweep, a test session) failed the next one's first step, a hard error under
+    ``fullgraph=True``. With its own code object, a runner's limit counts only its own graphs.
+    """
+    func = method.__func__
+    copy = types.FunctionType(func.__code__.replace(), func.__globals__, func.__name__, func.__defaults__,
+                              func.__closure__)
+    copy.__kwdefaults__, copy.__qualname__ = func.__kwdefaults__, func.__qualname__
+    return types.MethodType(copy, method.__self__)
 
 
 def _check_model_device(model: torch.nn.Module, device: torch.device) -> None:
@@ -185,7 +201,8 @@ class StepRunner:
         self._compiled: Callable[..., torch.Tensor] | None = None
         if mode == COMPILED:
             options = INDUCTOR_OPTIONS if compile_backend == "inductor" else None
-            self._compiled = torch.compile(self._forward, backend=compile_backend, fullgraph=True, options=options)
+            forward = with_own_code(model.forward_tokens if inputs == TOKENS else model.forward)
+            self._compiled = torch.compile(forward, backend=compile_backend, fullgraph=True, options=options)
         self.token_ranges = token_ranges_for(model, self.capture_sizes[-1])
         # Per slot: one past the furthest position its request has fed since it started at 0 (rollback check).
         self._max_rollback: int | None = getattr(model, "max_rollback", None)

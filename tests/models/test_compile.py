@@ -27,9 +27,9 @@ from stepops.testing.fake_cuda import getitem_through_the_dispatcher
 
 @pytest.fixture(autouse=True)
 def _fresh_dynamo():
-    """Each test starts with empty Dynamo caches: every StepRunner compiles the same code object
-    (``StepRunner._forward``), so the frames earlier tests compiled count toward its recompile limit, and a
-    test passed or failed by which tests ran before it in the process."""
+    """Each test starts with empty Dynamo caches: the tests compile models of one class (the same forward
+    code object) directly, so the frames earlier tests compiled would count toward its recompile limit, and
+    a test would pass or fail by which tests ran before it in the process."""
     torch._dynamo.reset()
 
 try:  # torch >= 2.12 keeps it in torch._inductor.utils; older releases in cudagraph_utils
@@ -105,6 +105,20 @@ def test_fullgraph_one_graph_no_breaks_equal_to_eager(model_cls, config):
         assert torch.equal(a, b)
     for a, b in zip(model.cache_tensors(), eager_model.cache_tensors()):
         assert torch.equal(a, b)
+
+
+def test_runners_of_many_configs_compile_in_one_process():
+    """Compiled runners of nine configs in one process (a sweep, a test session). Every runner compiled the
+    model class's one forward code object, so the ninth config's first step failed torch.compile's
+    recompile limit (8), a hard error under ``fullgraph=True``."""
+    limit = getattr(torch._dynamo.config, "recompile_limit", None) or torch._dynamo.config.cache_size_limit
+    for window in range(16, 16 + limit + 1):
+        torch.manual_seed(0)
+        config = Step5Config(sliding_window=window)
+        runner = StepRunner(Step5Model(config), max_requests=1, max_model_len=12, max_tokens=2, device="cpu",
+                            mode="compiled", compile_backend="eager")
+        out = runner.step([ScheduledRequest(0, 0, torch.randn(2, config.hidden_size).to(torch.bfloat16))])[0]
+        assert out.shape == (2, config.hidden_size), window
 
 
 @pytest.mark.parametrize("model_cls, config", _MODELS)
