@@ -60,6 +60,13 @@ def capture_sizes_for(max_tokens: int) -> tuple[int, ...]:
     return tuple(sizes) + (max(max_tokens, 2),)
 
 
+def _check_token_list(what: str, ids: Sequence[int]) -> None:
+    """``TypeError`` unless ``ids`` are integers (floats and bools were truncated into token ids)."""
+    dtype = torch.as_tensor(list(ids)).dtype if len(ids) else torch.int64
+    if dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
+        raise TypeError(f"{what}: token ids must be integers, got {dtype}")
+
+
 def with_own_code(method: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
     """Bound ``method`` re-bound to a copy of its function that has its own code object.
 
@@ -155,6 +162,7 @@ class StepRunner:
         self.mode = mode
         self.max_requests = max_requests
         self.max_model_len = max_model_len
+        self.max_tokens = max_tokens
         self.capture_sizes = capture_sizes_for(max_tokens)
         gen = torch.Generator().manual_seed(seed)
 
@@ -228,7 +236,8 @@ class StepRunner:
             self._check_request(s)
         lens = [len(s.inputs) for s in batch]
         total = sum(lens)
-        self.padded_size(total)
+        if total > self.max_tokens:  # padded_size alone would let max_tokens = 1 run 2 (its padded size)
+            raise ValueError(f"a step of {total} tokens exceeds the runner's max_tokens {self.max_tokens}")
         seen: set[int] = set()
         for s in batch:
             # A negative slot would index another slot's block-table row from the end (its pages written).
@@ -254,7 +263,9 @@ class StepRunner:
                 )
             if s.start + len(s.inputs) > self.max_model_len:
                 raise ValueError(f"request slot {s.slot} would grow past max_model_len {self.max_model_len}")
-        inputs = torch.cat([torch.as_tensor(s.inputs) for s in batch]) if batch else None
+        # Detached: an input that requires grad would make the persistent buffer carry every later step's
+        # autograd history (and keep each step's upstream activations alive).
+        inputs = torch.cat([torch.as_tensor(s.inputs).detach() for s in batch]) if batch else None
         if inputs is not None and self.input_kind == TOKENS:
             self._check_token_ids(batch, inputs)
         qsl = torch.full((r + 1,), total, dtype=torch.int32)
@@ -283,13 +294,20 @@ class StepRunner:
         for name in ("slot", "start"):
             if not is_int(getattr(s, name)):
                 raise TypeError(f"ScheduledRequest.{name} must be an int, got {type(getattr(s, name)).__name__}")
-        inputs = torch.as_tensor(s.inputs)
+        try:
+            inputs = torch.as_tensor(s.inputs)
+        except (TypeError, RuntimeError, ValueError) as error:  # None: "Could not infer dtype of NoneType"
+            raise TypeError(f"request slot {s.slot}: inputs must be a tensor, got {type(s.inputs).__name__}") from error
+        if inputs.device.type == "meta":
+            raise ValueError(f"request slot {s.slot}: inputs are a meta tensor (no data to feed)")
         if self.input_kind == HIDDEN:
             hidden = self.model.config.hidden_size
             if inputs.dim() != 2 or inputs.shape[1] != hidden:
                 raise ValueError(
                     f"request slot {s.slot}: inputs must be [n, {hidden}] hidden states, got {tuple(inputs.shape)}"
                 )
+            if not inputs.dtype.is_floating_point:  # an int, bool or complex tensor was cast into bf16 silently
+                raise TypeError(f"request slot {s.slot}: hidden states must be floating point, got {inputs.dtype}")
             return
         if inputs.dim() != 1 or inputs.dtype.is_floating_point or inputs.dtype.is_complex or inputs.dtype == torch.bool:
             raise ValueError(
@@ -403,7 +421,9 @@ class StepRunner:
             raise ValueError(f"{len(prompts)} prompts; the runner has {self.max_requests} request slots")
         if any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
-        budget = self.capture_sizes[-1]
+        for i, prompt in enumerate(prompts):
+            _check_token_list(f"prompt {i}", prompt)
+        budget = self.max_tokens
         seqs = [list(p) for p in prompts]
         cached = [0] * len(seqs)  # positions of seqs[i] whose inputs the caches hold
         new = [0] * len(seqs)
@@ -417,6 +437,7 @@ class StepRunner:
                 drafts: list[int] = []
                 if draft is not None and len(pending) == 1:
                     drafts = list(draft(i, list(seq)))[: min(room - 1, max_new_tokens - new[i] - 1)]
+                    _check_token_list(f"draft for prompt {i}", drafts)
                 room -= len(chunk) + len(drafts)
                 batch.append(ScheduledRequest(i, cached[i], torch.tensor(chunk + drafts, dtype=torch.int64)))
                 plans.append((i, len(chunk), len(pending), drafts))

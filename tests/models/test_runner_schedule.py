@@ -1,5 +1,5 @@
 """StepRunner refuses a bad schedule with a ValueError before it touches its buffers or any cache: a step
-larger than the largest capture size, a slot outside ``0..max_requests - 1`` (a negative slot indexed
+larger than ``max_tokens``, a slot outside ``0..max_requests - 1`` (a negative slot indexed
 another slot's block-table row from the end and wrote that request's pages), a slot scheduled twice in one
 step, a negative start, a start past the positions the slot's request has fed (its attention would read
 what an earlier request left in the caches), a Step5 step further back than its CSA rings keep. A good
@@ -32,7 +32,7 @@ def _x(runner, n):
 @pytest.mark.parametrize(
     "make_batch, match",
     [
-        (lambda x: [ScheduledRequest(0, 0, x(9))], "exceeds the largest capture size 8"),
+        (lambda x: [ScheduledRequest(0, 0, x(9))], "a step of 9 tokens exceeds the runner's max_tokens 8"),
         (lambda x: [ScheduledRequest(-1, 0, x(3))], "slot -1 is outside"),
         (lambda x: [ScheduledRequest(2, 0, x(3))], "slot 2 is outside"),
         (lambda x: [ScheduledRequest(0, 0, x(2)), ScheduledRequest(0, 2, x(2))], "slot 0 is scheduled twice"),
@@ -42,11 +42,17 @@ def _x(runner, n):
         (lambda x: [ScheduledRequest(0, 0, x(3)[:, :32])], r"slot 0: inputs must be \[n, 64\] hidden states"),
         (lambda x: [ScheduledRequest(True, 0, x(3))], "ScheduledRequest.slot must be an int, got bool"),
         (lambda x: [ScheduledRequest(1, 2.5, x(1))], "ScheduledRequest.start must be an int, got float"),
+        # were cast into the bf16 buffer (a complex one losing its imaginary part)
+        (lambda x: [ScheduledRequest(0, 0, x(3).long())], "hidden states must be floating point, got torch.int64"),
+        (lambda x: [ScheduledRequest(0, 0, x(3).to(torch.complex64))], "must be floating point, got torch.complex64"),
+        # a RuntimeError from torch; a meta tensor failed its copy after the buffers were overwritten
+        (lambda x: [ScheduledRequest(0, 0, None)], "slot 0: inputs must be a tensor, got NoneType"),
+        (lambda x: [ScheduledRequest(1, 5, x(1)), ScheduledRequest(0, 0, x(2).to("meta"))], "slot 0: inputs are a meta"),
     ],
     ids=[
         "too-many-tokens", "negative-slot", "slot-past-the-end", "duplicate-slot", "negative-start",
         "start-past-what-the-request-fed", "start-in-a-slot-never-fed", "inputs-of-another-width", "bool-slot",
-        "float-start",
+        "float-start", "int-hidden", "complex-hidden", "none-inputs", "meta-inputs",
     ],  # fmt: skip
 )
 def test_a_bad_schedule_is_refused_before_anything_is_written(runner, make_batch, match):
@@ -76,6 +82,30 @@ def test_a_step_that_fails_feeds_nothing(monkeypatch):
     runner.step([ScheduledRequest(0, 2, _x(runner, 3))])
 
 
+def test_max_tokens_1_runs_only_1_token_steps():
+    """Its steps are padded to 2 (a size of 1 would compile a second graph), but 2 real tokens were taken."""
+    def make(max_tokens):
+        torch.manual_seed(0)
+        return StepRunner(InklingModel(), max_requests=2, max_model_len=8, max_tokens=max_tokens, device="cpu",
+                          inputs="tokens")
+
+    runner = make(1)
+    assert runner.capture_sizes == (2,)
+    with pytest.raises(ValueError, match="a step of 2 tokens exceeds the runner's max_tokens 1"):
+        runner.step([ScheduledRequest(0, 0, torch.tensor([1, 2]))])
+    assert runner.generate([[1, 2], [3]], 2) == make(4).generate([[1, 2], [3]], 2)
+    assert runner.steps == runner.tokens == 5  # one token per step: 3 prompt tokens, 2 fed back
+
+
+def test_an_input_that_requires_grad_leaves_no_autograd_history():
+    """The input buffer took an input's autograd history and kept every later step's upstream activations."""
+    torch.manual_seed(0)
+    runner = StepRunner(InklingModel(), max_requests=1, max_model_len=16, max_tokens=4, device="cpu")
+    upstream = torch.randn(3, runner.model.config.hidden_size, requires_grad=True)
+    runner.step([ScheduledRequest(0, 0, upstream.to(torch.bfloat16))])
+    assert not runner.inputs.requires_grad and runner.inputs.grad_fn is None
+
+
 def test_token_steps_and_generate_check_their_arguments_before_any_step():
     """Out-of-vocabulary ids were an IndexError from the embedding; max_new_tokens as a bool or a negative
     int was taken silently; a prompt that cannot fit max_model_len failed only after steps had run."""
@@ -90,6 +120,11 @@ def test_token_steps_and_generate_check_their_arguments_before_any_step():
         (lambda: runner.generate([[1, 2]], -3), ValueError, "max_new_tokens must be >= 0, got -3"),
         (lambda: runner.generate([[1, 2], [1] * 30], 5), ValueError,
          r"prompt 1 \(30 tokens\) with 5 new tokens needs 34 positions; the runner's max_model_len is 32"),
+        # were truncated into token ids
+        (lambda: runner.generate([[1.7, 2.2]], 2), TypeError, "prompt 0: token ids must be integers, got torch.float32"),
+        (lambda: runner.generate([[1], [True]], 2), TypeError, "prompt 1: token ids must be integers, got torch.bool"),
+        (lambda: runner.generate([[1]], 2, draft=lambda i, seq: [0.5]), TypeError,
+         "draft for prompt 0: token ids must be integers"),
     ):  # fmt: skip
         with pytest.raises(error, match=match):
             call()
