@@ -75,10 +75,10 @@ class Llama3RopeScaling:
 
     def __post_init__(self) -> None:
         check_int("original_max_position_embeddings", self.original_max_position_embeddings, 1)
-        if not self.factor > 0:
-            raise ValueError(f"llama3 rope scaling needs factor > 0: {self}")
-        if not 0 < self.low_freq_factor < self.high_freq_factor:
-            raise ValueError(f"llama3 rope scaling needs 0 < low_freq_factor < high_freq_factor: {self}")
+        if not 0 < self.factor < math.inf:
+            raise ValueError(f"llama3 rope scaling needs a finite factor > 0: {self}")
+        if not 0 < self.low_freq_factor < self.high_freq_factor < math.inf:
+            raise ValueError(f"llama3 rope scaling needs 0 < low_freq_factor < high_freq_factor, finite: {self}")
 
 
 @dataclass(frozen=True)
@@ -143,17 +143,23 @@ class Step5Config:
                 f"csa_partial_rotary_factor ({self.csa_partial_rotary_factor}) must be in (0, 1] and rotate at "
                 f"least 2 of head_dim {self.head_dim} dims"
             )
-        if not (self.sliding_rope_theta > 1 and self.csa_rope_theta > 1):  # NaN too: it gave NaN outputs
+        if not (1 < self.sliding_rope_theta < math.inf and 1 < self.csa_rope_theta < math.inf):  # NaN: NaN outputs
             raise ValueError(
-                f"rope thetas must be > 1, got sliding_rope_theta={self.sliding_rope_theta}, "
+                f"rope thetas must be finite and > 1, got sliding_rope_theta={self.sliding_rope_theta}, "
                 f"csa_rope_theta={self.csa_rope_theta}"
+            )
+        if self.csa_rope_scaling is not None and not isinstance(self.csa_rope_scaling, Llama3RopeScaling):
+            raise TypeError(
+                f"csa_rope_scaling must be a Llama3RopeScaling or None, got {type(self.csa_rope_scaling).__name__}"
             )
         if not math.isfinite(self.moe_router_scaling_factor):
             raise ValueError(f"moe_router_scaling_factor must be finite, got {self.moe_router_scaling_factor}")
         if not (self.swiglu_limit > 0 and self.swiglu_limit_shared > 0):
             raise ValueError("swiglu limits must be > 0")
-        if not self.rms_norm_eps >= 0:
-            raise ValueError(f"rms_norm_eps must be >= 0, got {self.rms_norm_eps}")
+        if not 0 <= self.rms_norm_eps < math.inf:
+            raise ValueError(f"rms_norm_eps must be finite and >= 0, got {self.rms_norm_eps}")
+        if not self.layer_types:
+            raise ValueError("layer_types must name at least one layer")
         if any(kind not in (SLIDING, CSA) for kind in self.layer_types):
             raise ValueError(f"layer_types must be {SLIDING!r} or {CSA!r}, got {self.layer_types}")
         if SLIDING in self.layer_types and self.head_dim % 2:

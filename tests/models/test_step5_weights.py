@@ -191,9 +191,15 @@ def test_the_released_models_numbers():
         ({"num_speculative_tokens": -1}, ValueError, "num_speculative_tokens must be >= 0, got -1"),
         # a sliding layer ropes the whole head in NEOX halves: an odd head failed mid-step (shape mismatch)
         ({"head_dim": 9}, ValueError, r"head_dim \(9\) must be even"),
-        ({"rms_norm_eps": -1e-6}, ValueError, r"rms_norm_eps must be >= 0"),  # was accepted: NaN outputs
-        ({"csa_rope_theta": float("nan")}, ValueError, "rope thetas must be > 1"),  # was accepted: NaN outputs
-        ({"sliding_rope_theta": float("nan")}, ValueError, "rope thetas must be > 1"),
+        ({"rms_norm_eps": -1e-6}, ValueError, r"rms_norm_eps must be finite and >= 0"),  # was accepted: NaN outputs
+        ({"csa_rope_theta": float("nan")}, ValueError, "rope thetas must be finite and > 1"),  # was accepted: NaN outputs
+        ({"sliding_rope_theta": float("nan")}, ValueError, "rope thetas must be finite and > 1"),
+        # were accepted: an empty stack failed only at cache allocation, a tuple of scaling numbers when the
+        # model was built (AttributeError), infinities ran
+        ({"layer_types": (), "moe_layers": ()}, ValueError, "layer_types must name at least one layer"),
+        ({"csa_rope_scaling": (4.0, 1.0, 4.0, 64)}, TypeError, "csa_rope_scaling must be a Llama3RopeScaling or None, got tuple"),
+        ({"rms_norm_eps": float("inf")}, ValueError, r"rms_norm_eps must be finite and >= 0, got inf"),
+        ({"csa_rope_theta": float("inf")}, ValueError, "rope thetas must be finite and > 1"),
         ({"moe_router_scaling_factor": float("nan")}, ValueError, "moe_router_scaling_factor must be finite"),
     ],
 )
@@ -207,6 +213,8 @@ def test_bad_configs_are_clear_errors(kwargs, error, match):
     [
         ({"low_freq_factor": 4.0, "high_freq_factor": 1.0}, ValueError, "low_freq_factor < high_freq_factor"),
         ({"factor": 0.0}, ValueError, "factor > 0"),
+        ({"factor": float("inf")}, ValueError, "a finite factor > 0"),  # was accepted
+        ({"high_freq_factor": float("inf")}, ValueError, "low_freq_factor < high_freq_factor, finite"),
         ({"original_max_position_embeddings": 0}, ValueError, "original_max_position_embeddings must be >= 1"),
         ({"original_max_position_embeddings": 64.5}, TypeError, "original_max_position_embeddings must be an int"),
     ],
