@@ -25,6 +25,7 @@ from stepops.layouts import REGION_SIZE
 from stepops.ops.csa_ring_update import CSARingMetadata, build_csa_ring_metadata, csa_ring_update
 from stepops.ops.csa_ring_update.reference import csa_ring_update_reference, fold, region_summary
 from stepops.ops.csa_ring_update.samples import SUMMARY_BLOCK_SIZE, make_step
+from stepops.ops.csa_ring_update.torch_kernel import csa_ring_update_torch
 from stepops.ops.csa_ring_update.triton_kernel import fold_step, csa_ring_update_triton
 from stepops.ops.csa_ring_update.validate import validate_csa_ring_update_inputs
 from stepops.testing import TOLERANCES, copy_as_views, op_samples
@@ -210,6 +211,28 @@ def test_strided_metadata_are_read_by_their_strides(kernel):
     run(kernel, step)
     assert torch.equal(step.cache.view(torch.int16).cpu(), expected_ring)
     assert torch.equal(summary_bytes(step.summary_cache).cpu(), expected_summary)
+
+
+@pytest.mark.parametrize("num_tokens, capacity", [(1, 7), (20, 10), (4, 10)])
+def test_a_step_ending_at_the_last_int32_position_stores_every_row(num_tokens, capacity):
+    """Positions are int32: a step whose last position is 2**31 - 1 has its end at 2**31. The Triton
+    kernel computed it in int32 (-2**31), so the rows its replaying leader was to store were neither
+    deferred to it nor kept by their own tokens: never stored."""
+    gen = torch.Generator().manual_seed(0)
+    k, z = (torch.randn(num_tokens, 4, generator=gen).to(torch.bfloat16) for _ in range(2))
+    ring = torch.randn(capacity, 8, generator=gen).to(torch.bfloat16)
+    summary = torch.zeros(1, 4, dtype=torch.bfloat16)
+    metadata = build_csa_ring_metadata(
+        torch.tensor([0, num_tokens]), torch.tensor([2**31], dtype=torch.int64), torch.tensor([0]), capacity,
+        torch.tensor([[-1]], dtype=torch.int32), 4, num_tokens,
+    )
+    want = ring.clone()
+    csa_ring_update_torch(k, z, want, summary.clone(), *metadata, capacity)
+    for q in range(2**31 - min(num_tokens, capacity), 2**31):  # the step's stored rows, the reference's rule
+        assert torch.equal(want[q % capacity], torch.cat([k[q - 2**31 + num_tokens], z[q - 2**31 + num_tokens]]))
+    args = copy_as_views((k, z, ring.clone(), summary.clone(), *metadata, capacity), triton_device())
+    csa_ring_update_triton(*args)
+    assert torch.equal(args[2].cpu().view(torch.int16), want.view(torch.int16))
 
 
 def test_empty_rows_p0_run_on_both_kernels():

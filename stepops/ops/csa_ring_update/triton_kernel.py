@@ -247,8 +247,9 @@ def _csa_ring_update_kernel(
         store_first = start_position + tl.maximum(chunk_len - capacity, 0)
         i = tl.arange(0, REGION_SIZE)[:, None]
         read_row = _wrap(read_first % capacity + i, capacity)  # read_first >= 0 where the rows are used
-        q = store_first + _wrap(read_row - store_first % capacity + capacity, capacity)
-        deferred = (i < tl.where(leads_ring_replay, num_read, 0)) & (q < start_position + chunk_len)
+        # int64: a step ending at position 2**31 - 1 has its end (and a q past it) beyond int32.
+        q = store_first.to(tl.int64) + _wrap(read_row - store_first % capacity + capacity, capacity)
+        deferred = (i < tl.where(leads_ring_replay, num_read, 0)) & (q < start_position.to(tl.int64) + chunk_len)
         deferred = deferred & (d[None, :] < P)
         src = (chunk_start + q - start_position).to(tl.int64)
         k_deferred = tl.load(index_k_ptr + src * stride_k0 + d[None, :] * stride_k1, mask=deferred)
