@@ -62,24 +62,29 @@ def capture_sizes_for(max_tokens: int) -> tuple[int, ...]:
 
 def _check_token_list(what: str, ids: Sequence[int]) -> None:
     """``TypeError`` unless ``ids`` are integers (floats and bools were truncated into token ids)."""
-    dtype = torch.as_tensor(list(ids)).dtype if len(ids) else torch.int64
+    ids = list(ids)
+    dtype = torch.as_tensor(ids).dtype if ids else torch.int64
+    if any(isinstance(i, bool) for i in ids):  # among ints, as_tensor makes True an int64 1
+        dtype = torch.bool
     if dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
         raise TypeError(f"{what}: token ids must be integers, got {dtype}")
 
 
-def with_own_code(method: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-    """Bound ``method`` re-bound to a copy of its function that has its own code object.
+def step_function(forward: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """``(hidden, buffers) -> forward(hidden, buffers)`` with a code object of its own, for ``torch.compile``.
 
     Dynamo keeps compiled graphs, and counts recompiles toward ``torch._dynamo.config.recompile_limit``, per
-    code object, and every model of a class shares its ``forward``'s: a process that had compiled runners of
-    8 configs (a sweep, a test session) failed the next one's first step, a hard error under
-    ``fullgraph=True``. With its own code object, a runner's limit counts only its own graphs.
+    code object. Compiling the model itself, every runner compiled its class's one ``forward``, so a process
+    that had compiled runners of 8 configs (a sweep, a test session) failed the next one's first step (a hard
+    error under ``fullgraph=True``). Each call of this makes a new code object, so a runner's recompile
+    limit counts only its own graphs; Dynamo inlines ``forward`` (the model's ``__call__``, hooks
+    included). Dynamo's automatic-dynamic bookkeeping is keyed by source location and stays shared.
     """
-    func = method.__func__
-    copy = types.FunctionType(func.__code__.replace(), func.__globals__, func.__name__, func.__defaults__,
-                              func.__closure__)
-    copy.__kwdefaults__, copy.__qualname__ = func.__kwdefaults__, func.__qualname__
-    return types.MethodType(copy, method.__self__)
+
+    def step(hidden: torch.Tensor, buffers: StepBuffers) -> torch.Tensor:
+        return forward(hidden, buffers)
+
+    return types.FunctionType(step.__code__.replace(), step.__globals__, step.__name__, None, step.__closure__)
 
 
 def _check_model_device(model: torch.nn.Module, device: torch.device) -> None:
@@ -209,8 +214,9 @@ class StepRunner:
         self._compiled: Callable[..., torch.Tensor] | None = None
         if mode == COMPILED:
             options = INDUCTOR_OPTIONS if compile_backend == "inductor" else None
-            forward = with_own_code(model.forward_tokens if inputs == TOKENS else model.forward)
-            self._compiled = torch.compile(forward, backend=compile_backend, fullgraph=True, options=options)
+            self._compiled = torch.compile(
+                step_function(self._forward), backend=compile_backend, fullgraph=True, options=options
+            )
         self.token_ranges = token_ranges_for(model, self.capture_sizes[-1])
         # Per slot: one past the furthest position its request has fed since it started at 0 (rollback check).
         self._max_rollback: int | None = getattr(model, "max_rollback", None)

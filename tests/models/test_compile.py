@@ -107,6 +107,21 @@ def test_fullgraph_one_graph_no_breaks_equal_to_eager(model_cls, config):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("mode", ["eager", "compiled"])
+def test_a_runner_runs_the_models_own_hooks(mode):
+    """The compiled step calls the model as the eager one does, hooks included (compiling ``model.forward``
+    had skipped them)."""
+    torch.manual_seed(0)
+    model = Step5Model(Step5Config())
+    calls = []
+    model.register_forward_pre_hook(lambda module, args: calls.append(args[0].shape[0]))
+    model.register_forward_hook(lambda module, args, out: out * 0)
+    runner = StepRunner(model, max_requests=1, max_model_len=12, max_tokens=4, device="cpu", mode=mode,
+                        compile_backend="eager")
+    out = runner.step([ScheduledRequest(0, 0, torch.randn(3, model.config.hidden_size).to(torch.bfloat16))])[0]
+    assert calls == [4] and torch.equal(out, torch.zeros_like(out))
+
+
 def test_runners_of_many_configs_compile_in_one_process():
     """Compiled runners of nine configs in one process (a sweep, a test session). Every runner compiled the
     model class's one forward code object, so the ninth config's first step failed torch.compile's

@@ -123,6 +123,7 @@ def test_token_steps_and_generate_check_their_arguments_before_any_step():
         # were truncated into token ids
         (lambda: runner.generate([[1.7, 2.2]], 2), TypeError, "prompt 0: token ids must be integers, got torch.float32"),
         (lambda: runner.generate([[1], [True]], 2), TypeError, "prompt 1: token ids must be integers, got torch.bool"),
+        (lambda: runner.generate([[1, True]], 2), TypeError, "prompt 0: token ids must be integers, got torch.bool"),
         (lambda: runner.generate([[1]], 2, draft=lambda i, seq: [0.5]), TypeError,
          "draft for prompt 0: token ids must be integers"),
     ):  # fmt: skip
