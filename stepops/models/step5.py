@@ -361,10 +361,22 @@ def dequantize_fp8_blocks(weight: torch.Tensor, scale_inv: torch.Tensor, *, name
     (each scale covers one 128 x 128 block) in fp32: the reference's ``w_fp8 * weight_scale_inv[block]``
     (:func:`check_fp8_blocks` first)."""
     check_fp8_blocks(name, weight, scale_inv)
+    return _times_block_scales(weight, scale_inv)
+
+
+def _times_block_scales(weight: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
+    """:func:`dequantize_fp8_blocks` without the checks (each GEMM's): the codes in fp32, viewed as
+    ``[..., out/128, 128, in/128, 128]`` blocks (zero-padded where ragged) and scaled in place by the
+    broadcast scales; no scale tensor of the weight's size is made."""
     out_features, in_features = weight.shape[-2:]
-    scale = scale_inv.repeat_interleave(FP8_BLOCK, -2)[..., :out_features, :]
-    scale = scale.repeat_interleave(FP8_BLOCK, -1)[..., :in_features]
-    return weight.float() * scale
+    pad_out, pad_in = -out_features % FP8_BLOCK, -in_features % FP8_BLOCK
+    values = weight.float()
+    if pad_out or pad_in:
+        values = F.pad(values, (0, pad_in, 0, pad_out))
+    *lead, rows, cols = values.shape
+    blocks = values.view(*lead, rows // FP8_BLOCK, FP8_BLOCK, cols // FP8_BLOCK, FP8_BLOCK)
+    blocks.mul_(scale_inv[..., :, None, :, None])
+    return values[..., :out_features, :in_features]
 
 
 class StackedExpertWeight(nn.Module):
@@ -417,7 +429,7 @@ class StackedExpertWeight(nn.Module):
         if expert_ids is not None:
             weight = weight.index_select(0, expert_ids)
             scale = None if scale is None else scale.index_select(0, expert_ids)
-        return weight if scale is None else dequantize_fp8_blocks(weight, scale)
+        return weight if scale is None else _times_block_scales(weight, scale)
 
     def matmul_input(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` as this weight's GEMM takes it: rounded to e4m3 per block in fp32 for an fp8 weight (the
