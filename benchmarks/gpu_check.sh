@@ -15,7 +15,7 @@ cd "$root"
 all_parts=(gpu_tests benchmarks attention demo)
 is_part() { [[ " ${all_parts[*]} " == *" $1 "* ]]; }
 if [ $# -gt 0 ] && [[ "$1" == -* ]]; then  # --help, or an option: print the usage above
-    sed -n '2,11p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
+    awk 'NR > 1 && !/^#/ { exit } NR > 1 { sub(/^# ?/, ""); print }' "${BASH_SOURCE[0]}"  # the header comment
     [[ "$1" == -h || "$1" == --help ]] && exit 0
     echo "gpu_check.sh: no options; OUT_DIR must not start with '-', got '$1'" >&2; exit 2
 fi

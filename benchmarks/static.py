@@ -106,7 +106,9 @@ def report() -> dict:
     return {
         "constants": {"launch_us": LAUNCH_US, "memory_latency_us": MEMORY_LATENCY_US,
                       "bandwidth_bytes_per_us": BANDWIDTH_BYTES_PER_US, "target": TARGET,
-                      "estimated_us": "launch_us + round_trips x memory_latency_us + floor_bytes / bandwidth",
+                      "estimated_us": "sum over the op's kernels of (launch_us + round_trips x memory_latency_us)"
+                                      " + floor_bytes / bandwidth",
+                      "dependent_load_chain": "the longest in any of the op's kernels",
                       "floor_percent": "100 x (floor_bytes / bandwidth) / estimated_us"},
         "builds": rows,
         "estimates": estimates,
