@@ -60,13 +60,18 @@ def capture_sizes_for(max_tokens: int) -> tuple[int, ...]:
     return tuple(sizes) + (max(max_tokens, 2),)
 
 
+def _is_token_id_dtype(dtype: torch.dtype) -> bool:
+    """An integer dtype (bool is not one: True would be token 1)."""
+    return not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
+
+
 def _check_token_list(what: str, ids: Sequence[int]) -> None:
     """``TypeError`` unless ``ids`` are integers (floats and bools were truncated into token ids)."""
     ids = list(ids)
     dtype = torch.as_tensor(ids).dtype if ids else torch.int64
     if any(isinstance(i, bool) for i in ids):  # among ints, as_tensor makes True an int64 1
         dtype = torch.bool
-    if dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
+    if not _is_token_id_dtype(dtype):
         raise TypeError(f"{what}: token ids must be integers, got {dtype}")
 
 
@@ -315,7 +320,7 @@ class StepRunner:
             if not inputs.dtype.is_floating_point:  # an int, bool or complex tensor was cast into bf16 silently
                 raise TypeError(f"request slot {s.slot}: hidden states must be floating point, got {inputs.dtype}")
             return
-        if inputs.dim() != 1 or inputs.dtype.is_floating_point or inputs.dtype.is_complex or inputs.dtype == torch.bool:
+        if inputs.dim() != 1 or not _is_token_id_dtype(inputs.dtype):
             raise ValueError(
                 f"request slot {s.slot}: inputs must be [n] integer token ids, got {inputs.dtype} {tuple(inputs.shape)}"
             )

@@ -356,18 +356,12 @@ def check_fp8_blocks(name: str, weight: torch.Tensor, scale_inv: torch.Tensor) -
         )
 
 
-def dequantize_fp8_blocks(weight: torch.Tensor, scale_inv: torch.Tensor, *, name: str = "fp8 weight") -> torch.Tensor:
+def dequantize_fp8_blocks(weight: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
     """``weight [..., out, in]`` float8_e4m3fn times ``scale_inv [..., ceil(out/128), ceil(in/128)]`` fp32
-    (each scale covers one 128 x 128 block) in fp32: the reference's ``w_fp8 * weight_scale_inv[block]``
-    (:func:`check_fp8_blocks` first)."""
-    check_fp8_blocks(name, weight, scale_inv)
-    return _times_block_scales(weight, scale_inv)
-
-
-def _times_block_scales(weight: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
-    """:func:`dequantize_fp8_blocks` without the checks (each GEMM's): the codes in fp32, viewed as
-    ``[..., out/128, 128, in/128, 128]`` blocks (zero-padded where ragged) and scaled in place by the
-    broadcast scales; no scale tensor of the weight's size is made."""
+    (each scale covers one 128 x 128 block) in fp32: the reference's ``w_fp8 * weight_scale_inv[block]``,
+    for shapes :func:`check_fp8_blocks` accepts (checked once, at load; this runs in every expert GEMM). The
+    codes in fp32 are viewed as ``[..., out/128, 128, in/128, 128]`` blocks (zero-padded where ragged) and
+    scaled in place by the broadcast scales: no scale tensor of the weight's size is made."""
     out_features, in_features = weight.shape[-2:]
     pad_out, pad_in = -out_features % FP8_BLOCK, -in_features % FP8_BLOCK
     values = weight.float()
@@ -429,7 +423,7 @@ class StackedExpertWeight(nn.Module):
         if expert_ids is not None:
             weight = weight.index_select(0, expert_ids)
             scale = None if scale is None else scale.index_select(0, expert_ids)
-        return weight if scale is None else _times_block_scales(weight, scale)
+        return weight if scale is None else dequantize_fp8_blocks(weight, scale)
 
     def matmul_input(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` as this weight's GEMM takes it: rounded to e4m3 per block in fp32 for an fp8 weight (the

@@ -7,7 +7,7 @@ from safetensors.torch import save_file
 
 from stepops.layouts import InklingStream
 from stepops.models import Step5Config, Step5Model
-from stepops.models.step5 import CSA, SLIDING, STEP5_REFERENCE, Llama3RopeScaling, dequantize_fp8_blocks
+from stepops.models.step5 import CSA, SLIDING, STEP5_REFERENCE, Llama3RopeScaling, check_fp8_blocks, dequantize_fp8_blocks
 from stepops.models.step5_weights import load_step5_safetensors, load_step5_state_dict
 from stepops.testing.step5_checkpoint import random_step5_checkpoint
 
@@ -72,9 +72,9 @@ def test_fp8_dequantisation_uses_one_scale_per_128_block():
     assert torch.equal(got, _dequantize_per_block(weight, scale))
     assert torch.equal(got[1, 150, 290], weight[1, 150, 290].float() * scale[1, 1, 2])
     with pytest.raises(ValueError, match=r"weight_scale_inv must be \(2, 2, 3\)"):
-        dequantize_fp8_blocks(weight, scale[:, :1])
+        check_fp8_blocks("fp8 weight", weight, scale[:, :1])
     with pytest.raises(TypeError, match="float8_e4m3fn"):
-        dequantize_fp8_blocks(weight.float(), scale)
+        check_fp8_blocks("fp8 weight", weight.float(), scale)
 
 
 def test_safetensors_directory_with_a_prefix(tmp_path):
