@@ -279,9 +279,14 @@ class InklingConvStateLayout:
     ``N`` tokens per block (``kernel_size`` by default; an engine may enlarge it, so bound caches read it
     from the tensor). Each head's ``D`` packs four streams: K ``[0, hd)``, V ``[hd, 2hd)``, attention
     output ``[2hd, 2hd + hph)``, MLP output ``[2hd + hph, 2hd + 2hph)`` with ``hd = head_dim`` and
-    ``hph = hidden_size // num_kv_heads``; ``D`` is the next power of two of ``2 hd + 2 hph`` so every
+    ``hph = ceil(hidden_size / num_kv_heads)``; ``D`` is the next power of two of ``2 hd + 2 hph`` so every
     layer's page has one size. ``D`` does not depend on ``tp_size``: heads and the hidden-sharded
     attention/MLP streams both scale by ``1 / tp_size``. bf16 only.
+
+    A ``hidden_size`` that KV heads do not divide (transformers allows it) leaves the last head's chunks
+    ``num_kv_heads * hph - hidden_size`` channels short: the layer pads the streams with zero channels
+    (zero input, zero weight, so zero output and cache). Sharded (``tp_size > 1``) the hidden chunks must
+    be equal: the collectives split the hidden stream evenly over the ranks.
     """
 
     num_kv_heads: int
@@ -303,10 +308,10 @@ class InklingConvStateLayout:
                 f"sconv SWA cache needs num_kv_heads ({self.num_kv_heads}) divisible by tp_size "
                 f"({self.tp_size}): each rank holds whole KV heads"
             )
-        if self.hidden_size % self.num_kv_heads:
+        if self.tp_size > 1 and self.hidden_size % self.num_kv_heads:
             raise ValueError(
-                f"sconv SWA cache needs hidden_size ({self.hidden_size}) divisible by num_kv_heads "
-                f"({self.num_kv_heads}): each KV head carries one equal hidden chunk"
+                f"sconv SWA cache at tp_size {self.tp_size} needs hidden_size ({self.hidden_size}) divisible by "
+                f"num_kv_heads ({self.num_kv_heads}): the ranks' hidden shards are whole, equal head chunks"
             )
         if not isinstance(self.dtype, torch.dtype):
             raise TypeError(f"dtype must be a torch.dtype, got {type(self.dtype).__name__}")
@@ -321,13 +326,14 @@ class InklingConvStateLayout:
 
     @property
     def hidden_per_head(self) -> int:
-        """Width of each head's attention-output and MLP-output chunk."""
-        return self.hidden_size // self.num_kv_heads
+        """Width of each head's attention-output and MLP-output chunk: ``ceil(hidden_size / num_kv_heads)``."""
+        return -(-self.hidden_size // self.num_kv_heads)
 
     @property
     def local_hidden_size(self) -> int:
-        """Hidden channels of the attention/MLP-output streams on this rank (``H * hidden_per_head``)."""
-        return self.hidden_size // self.tp_size
+        """Channels of the attention/MLP-output streams on this rank (``H * hidden_per_head``): the rank's
+        hidden shard, or at ``tp_size`` 1 the hidden size padded to whole head chunks."""
+        return self.local_num_kv_heads * self.hidden_per_head
 
     @property
     def packed_width(self) -> int:

@@ -147,10 +147,19 @@ def test_inkling_tensor_parallel_and_enlarged_block(capsys):
     assert _row(out, "D (head_size)") == "2048 = next power of two of 2*128 + 2*512 = 1280 (768 padding)"
 
 
+def test_inkling_hidden_size_not_divisible_by_kv_heads_pads_the_last_chunk(capsys):
+    assert main(["layout", "inkling", "--hidden-size", "4100"]) == 0
+    out = capsys.readouterr().out
+    # ceil(4100 / 8) = 513 per head, 8 * 513 - 4100 = 4 padding channels; 2*128 + 2*513 = 1282 -> 2048.
+    assert _row(out, "head_dim, hidden_per_head") == "128, 513 (the last head's chunks padded by 4 zero channels)"
+    assert _row(out, "stream MLP_OUT") == "[769, 1282) width 513"
+    assert _row(out, "D (head_size)") == "2048 = next power of two of 2*128 + 2*513 = 1282 (766 padding)"
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["--hidden-size", "4100"], "sconv SWA cache needs hidden_size (4100) divisible by num_kv_heads (8)"),
+        (["--hidden-size", "4100", "--tp-size", "2"], "sconv SWA cache at tp_size 2 needs hidden_size (4100) divisible by num_kv_heads (8)"),
         (["--tp-size", "3"], "sconv SWA cache needs num_kv_heads (8) divisible by tp_size (3)"),
         (["--block-size", "2"], "sconv SWA cache block size 2 is smaller than the kernel size 4"),
     ],

@@ -381,7 +381,7 @@ def test_inkling_stream_range_traces_under_fullgraph_compile():
     [
         (dict(tp_size=16), ValueError, "sconv SWA cache supports tp_size <= num_kv_heads (8), got 16"),
         (dict(tp_size=3), ValueError, "num_kv_heads (8) divisible by tp_size (3)"),
-        (dict(hidden_size=4100), ValueError, "hidden_size (4100) divisible by num_kv_heads (8)"),
+        (dict(hidden_size=4100, tp_size=2), ValueError, "at tp_size 2 needs hidden_size (4100) divisible by num_kv_heads (8)"),
         (dict(dtype=torch.float16), ValueError, "sconv SWA cache supports bfloat16 only, got torch.float16"),
         (dict(dtype="bfloat16"), TypeError, "dtype must be a torch.dtype"),
         (dict(num_kv_heads=0), ValueError, "num_kv_heads must be >= 1, got 0"),
@@ -436,12 +436,15 @@ def test_inkling_properties_over_random_parameters():
         heads = rng.choice([1, 2, 4, 6, 8, 16, 32])
         tp = rng.choice([t for t in range(1, heads + 1) if heads % t == 0])
         head_dim = rng.choice([8, 64, 96, 128, 256])
-        hidden = heads * rng.randrange(1, 700)
+        # Unsharded, any hidden size: the last head's chunks are padded to the others' width.
+        hidden = heads * rng.randrange(1, 700) if tp > 1 else rng.randrange(1, 700 * heads)
         kernel = rng.randrange(1, 9)
         layout = InklingConvStateLayout(
             num_kv_heads=heads, head_dim=head_dim, hidden_size=hidden, kernel_size=kernel, tp_size=tp
         )
-        packed = 2 * head_dim + 2 * (hidden // heads)
+        chunk = (hidden + heads - 1) // heads
+        assert (chunk - 1) * heads < hidden <= layout.local_hidden_size * tp == chunk * heads
+        packed = 2 * head_dim + 2 * chunk
         d = 1
         while d < packed:
             d *= 2

@@ -220,9 +220,11 @@ def _run_inkling(args: argparse.Namespace) -> int:
         return 1
 
     _, heads, block_size, head_size = shape
+    pad = layout.local_hidden_size * layout.tp_size - layout.hidden_size
+    chunk = f"{layout.hidden_per_head}" + (f" (the last head's chunks padded by {pad} zero channels)" if pad else "")
     rows = [
         ("KV heads per rank (H)", f"{heads} ({layout.num_kv_heads} / tp_size {layout.tp_size})"),
-        ("head_dim, hidden_per_head", f"{layout.head_dim}, {layout.hidden_per_head}"),
+        ("head_dim, hidden_per_head", f"{layout.head_dim}, {chunk}"),
         (
             "D (head_size)",
             f"{head_size} = next power of two of 2*{layout.head_dim} + 2*{layout.hidden_per_head} = "

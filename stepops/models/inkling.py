@@ -172,12 +172,6 @@ class InklingConfig:
             heads, kv_heads, _ = self.attention_geometry(kind)
             if kind in kinds and heads % kv_heads:
                 raise ValueError(f"{kind} layers: query heads ({heads}) must be a multiple of KV heads ({kv_heads})")
-            if kind in kinds and self.hidden_size % kv_heads:
-                # transformers has no such limit; the conv-state cache (design brief section 3) does.
-                raise ValueError(
-                    f"{kind} layers: hidden_size ({self.hidden_size}) must be divisible by KV heads ({kv_heads}): "
-                    "the conv-state cache gives each KV head an equal chunk of the attention and MLP output streams"
-                )
         if SPARSE in self.mlp_layer_types and not 0 < self.num_experts_per_tok <= self.n_routed_experts:
             raise ValueError(
                 f"num_experts_per_tok ({self.num_experts_per_tok}) must be in 1..n_routed_experts ({self.n_routed_experts})"
@@ -204,8 +198,8 @@ class InklingConfig:
 def check_inkling_tp(config: InklingConfig, tp_size: int) -> None:
     """Raise ``ValueError`` unless ``config`` shards over ``tp_size`` ranks by whole KV heads.
 
-    Every layer kind in use needs ``tp_size <= num_kv_heads`` and divisibility (the conv-state layout's
-    own errors); the intermediate sizes of the MLP kinds in use must divide by ``tp_size``.
+    Every layer kind in use needs ``tp_size <= num_kv_heads``, ``num_kv_heads`` divisible by ``tp_size`` and,
+    sharded, ``hidden_size`` by ``num_kv_heads`` (the conv-state layout's own errors); the intermediate sizes of the MLP kinds in use must divide by ``tp_size``.
     """
     for kind in sorted(set(config.layer_types)):
         _, kv_heads, head_dim = config.attention_geometry(kind)
@@ -537,6 +531,11 @@ class InklingDecoderLayer(nn.Module):
         """
         conv, table, sconv_meta = self.conv_state.conv, metadata.conv_block_table, metadata.sconv
         if self.tp.size == 1:
+            # KV heads that do not divide hidden: zero channels fill the last head's chunk (their output is 0).
+            pad = self.conv_state.layout.local_hidden_size - out.shape[1]
+            if pad:
+                padded = conv(stream, F.pad(out, (0, pad)), F.pad(weight, (0, 0, 0, pad)), table, sconv_meta)
+                return padded[:, : out.shape[1]]
             return conv(stream, out, weight, table, sconv_meta)
         shard = conv(stream, reduce_scatter_hidden(out, self.tp), weight, table, sconv_meta)
         return all_gather_hidden(shard, self.tp)

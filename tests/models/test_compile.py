@@ -87,6 +87,8 @@ def _run_steps(model, runner, fn, pad=True):
 _MODELS = [
     pytest.param(Step5Model, Step5Config(), id="step5"),
     pytest.param(InklingModel, InklingConfig(), id="inkling"),
+    # 3 sliding KV heads do not divide hidden 64: the output streams are padded to 66 channels around sconv.
+    pytest.param(InklingModel, InklingConfig(swa_num_heads=6, swa_num_kv_heads=3), id="inkling_padded_chunks"),
 ]
 
 

@@ -264,7 +264,6 @@ def test_release_style_config_names_load_as_transformers_reads_them(checkpoint, 
         (dict(n_shared_experts=0), r"sparse MLP layers need n_shared_experts >= 1"),
         (dict(unpadded_vocab_size=0), r"unpadded_vocab_size must be None or >= 1, got 0"),
         (dict(num_heads=3), r"global layers: query heads \(3\) must be a multiple of KV heads \(2\)"),
-        (dict(swa_num_heads=3, swa_num_kv_heads=3), r"sliding layers: hidden_size \(64\) must be divisible by KV heads \(3\)"),
         # were accepted: a ZeroDivisionError, a failure mid-step, NaN outputs ((pos + 1) / 0 scaling)
         (dict(num_kv_heads=0), r"num_kv_heads must be >= 1, got 0"),
         (dict(rel_extent=0), r"rel_extent must be >= 1, got 0"),
@@ -581,6 +580,8 @@ CONFIG_VARIANTS = {
         swa_num_attention_heads=8, swa_num_key_value_heads=2, sliding_window_size=3,
         num_experts_per_tok=1, conv_kernel_size=2, logits_mup_width_multiplier=1.0,
     ),
+    # hidden 64 over 3 sliding KV heads: chunks of 22, the last one padded by 2 zero channels.
+    "hidden_not_divisible_by_kv_heads": dict(swa_num_attention_heads=6, swa_num_key_value_heads=3),
 }
 
 
