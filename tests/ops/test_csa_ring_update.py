@@ -97,7 +97,25 @@ STEPS = {
     # (position 32) lands on the row of position 12, so the deferred row is the chunk's last, not a row
     # before its stored window.
     "chunk_longer_than_capacity_starts_mid_region": ([20], [33], 10, 12),
+    # Chunks of 7 starting at every position mod 8 (0..7): the leader's close comes at each offset 0..6
+    # of its chunk (or not at all), and picks that token's summary slot.
+    "chunks_of_7_start_at_every_position_mod_8": ([7] * 8, list(range(7, 15)), 10, 12),
+    # Request 0 ends at position 6, one before a close; request 1's token 7 closes right after it in the
+    # step: request 0's program must not take request 1's close as its own (its first close is past its chunk).
+    "request_ends_one_before_the_next_closes": ([1, 1], [7, 8], 8, None),
 }
+
+
+def _assert_step_matches_walk(step, kernel) -> None:
+    """Poison the step's summary slots, run it, and compare every byte of the ring's whole storage and of
+    the summary cache with the reference walk on copies."""
+    poison(step)
+    ring_before = step.cache.view(torch.int16).clone()
+    summary_before = summary_bytes(step.summary_cache).clone()
+    expected_ring, expected_summary = _expected_after(step, ring_before, summary_before)
+    run(kernel, step)
+    assert torch.equal(step.cache.view(torch.int16).cpu(), expected_ring)
+    assert torch.equal(summary_bytes(step.summary_cache).cpu(), expected_summary)
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
@@ -111,13 +129,20 @@ def test_step_matches_per_token_walk_and_writes_nothing_else(name, summary_dtype
         query_lens, seq_lens, proxy_dim=16, capacity=capacity, rows_per_block=rows_per_block, num_padding=3,
         summary_dtype=summary_dtype, device=triton_device() if kernel != "torch" else "cpu",
     )  # fmt: skip
-    poison(step)
-    ring_before = step.cache.view(torch.int16).clone()
-    summary_before = summary_bytes(step.summary_cache).clone()
-    expected_ring, expected_summary = _expected_after(step, ring_before, summary_before)
-    run(kernel, step)
-    assert torch.equal(step.cache.view(torch.int16).cpu(), expected_ring)
-    assert torch.equal(summary_bytes(step.summary_cache).cpu(), expected_summary)
+    _assert_step_matches_walk(step, kernel)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_a_closing_token_without_a_summary_slot_stores_its_row_and_no_summary(kernel):
+    """Slot -1 on a real closing token (its summary block unallocated): its ring row is stored, no summary
+    slot changes, and the other request's closes write their own slots."""
+    step = make_step([3, 9], [16, 24], proxy_dim=16, capacity=10, num_padding=1,
+                     device=triton_device() if kernel != "torch" else "cpu")  # fmt: skip
+    position = step.metadata.position
+    closing = ((position >= 0) & (position % REGION_SIZE == REGION_SIZE - 1)).nonzero().flatten().tolist()
+    assert closing == [2, 3, 11], closing  # position 15 of request 0; positions 15 and 23 of request 1
+    step.metadata.summary_slot[2] = -1
+    _assert_step_matches_walk(step, kernel)
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
@@ -201,16 +226,25 @@ def test_strided_metadata_are_read_by_their_strides(kernel):
         [3, 9, 1], [16, 24, 8], proxy_dim=16, capacity=10, rows_per_block=12, num_padding=2,
         device=triton_device() if kernel != "torch" else "cpu",
     )  # fmt: skip
-    poison(step)
-    ring_before = step.cache.view(torch.int16).clone()
-    summary_before = summary_bytes(step.summary_cache).clone()
-    expected_ring, expected_summary = _expected_after(step, ring_before, summary_before)
     table = torch.stack(list(step.metadata), dim=1)  # [T, 5]
     step.metadata = CSARingMetadata(*(table[:, i] for i in range(5)))
     assert step.metadata.position.stride() == (5,)
-    run(kernel, step)
-    assert torch.equal(step.cache.view(torch.int16).cpu(), expected_ring)
-    assert torch.equal(summary_bytes(step.summary_cache).cpu(), expected_summary)
+    _assert_step_matches_walk(step, kernel)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_inputs_of_different_row_strides_are_read_by_their_own(kernel):
+    """``index_k`` and ``index_z`` as column slices of a [T, 2P] and a [T, 3P] tensor (row strides 32 and
+    48): each is read by its own stride (one stride for both read one of them wrong)."""
+    step = make_step([3, 9, 1], [16, 24, 8], proxy_dim=16, capacity=10, rows_per_block=12, num_padding=2,
+                     device=triton_device() if kernel != "torch" else "cpu")  # fmt: skip
+    for name, columns in (("index_k", 2), ("index_z", 3)):
+        rows = getattr(step, name)
+        wide = torch.zeros(rows.shape[0], columns * rows.shape[1], dtype=rows.dtype, device=rows.device)
+        wide[:, rows.shape[1] : 2 * rows.shape[1]] = rows
+        setattr(step, name, wide[:, rows.shape[1] : 2 * rows.shape[1]])
+    assert (step.index_k.stride(0), step.index_z.stride(0)) == (32, 48)
+    _assert_step_matches_walk(step, kernel)
 
 
 @pytest.mark.parametrize("num_tokens, capacity", [(1, 7), (20, 10), (4, 10)])

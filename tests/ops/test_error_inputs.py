@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from stepops.ops.bounds import error_counter
-from stepops.testing import StorageSnapshot, copy_as_views, op_error_inputs
+from stepops.testing import StorageSnapshot, copy_as_views, op_error_inputs, op_samples
 
 from conftest import triton_device
 
@@ -68,3 +68,25 @@ def test_error_counter_on_a_cuda_device_without_cuda_is_a_value_error(monkeypatc
     with pytest.raises(ValueError, match="error_counter: device cuda:0 is CUDA, but this torch build sees no CUDA"):
         error_counter("cuda:0")
     assert error_counter().tolist() == [0]
+
+
+_FIRST_SAMPLES = {name: next(op_samples(op_name=name)) for name in sorted({c.entry.name for c in _CASES})}
+_TENSOR_ARGS = [
+    (name, index)
+    for name, sample in _FIRST_SAMPLES.items()
+    for index, arg in enumerate(sample.args)
+    if isinstance(arg, torch.Tensor)
+]
+
+
+@pytest.mark.parametrize("name, index", _TENSOR_ARGS, ids=[f"{name}-arg{index}" for name, index in _TENSOR_ARGS])
+def test_a_tensor_on_another_device_is_a_value_error_naming_both(name, index):
+    """Each tensor argument in turn on ``meta`` (any second device): the argument check names both devices
+    before a kernel runs (on a GPU, a CPU metadata tensor would be read through a host pointer)."""
+    op, args, kwargs = _FIRST_SAMPLES[name]
+    args = list(args)
+    args[index] = args[index].to("meta")
+    snapshot = StorageSnapshot([a for a in args if isinstance(a, torch.Tensor) and a.device.type != "meta"])
+    with pytest.raises(ValueError, match=r"(?s)(meta.*cpu|cpu.*meta)"):
+        op(*args, **kwargs)
+    assert snapshot.changed_bytes() == 0

@@ -175,6 +175,16 @@ def error_inputs(device: torch.device) -> Iterator[ErrorInput]:
         r"csa_ring_update: token_chunk_start must be in \[0, t\] for a real token t .*got \[-3\] at tokens \[3\]",
         True,
     )  # fmt: skip
+    # Each bound just past: a chunk running one token past the step (token 3 of 5), a request's first
+    # position -1 (token 2, two after its chunk's start, at position 1; the error reports 1 - 2).
+    yield ErrorInput(
+        call("chunk_len_one_past_the_step", set_id(6, 3, 3)), ValueError,
+        r"csa_ring_update: token_chunk_len must be in \[0, 5 - chunk_start\] .*got \[3\] at tokens \[3\]", True,
+    )  # fmt: skip
+    yield ErrorInput(
+        call("first_position_minus_1", set_id(4, 2, 1)), ValueError,
+        r"csa_ring_update: token_position must be at least t - chunk_start .*got \[-1\] at tokens \[2\]", True,
+    )  # fmt: skip
     yield ErrorInput(
         call("capacity_6", lambda args: args.__setitem__(9, 6)), ValueError, "csa_ring_update: capacity 6 < 7"
     )

@@ -97,6 +97,12 @@ def paged_kv_write_error_inputs(device: torch.device) -> Iterator[ErrorInput]:
         SampleInput(one_cache.name, (key, value, key_cache, key_cache, slot_mapping)), ValueError,
         "paged_kv_write: key_cache and value_cache are one tensor",
     )  # fmt: skip
+    mismatched = call("caches_of_different_block_sizes")
+    key, value, key_cache, value_cache, slot_mapping = mismatched.args
+    yield ErrorInput(
+        SampleInput(mismatched.name, (key, value, key_cache, value_cache[:, : block_size // 2], slot_mapping)),
+        ValueError, r"key_cache and value_cache need the same \[num_blocks, block_size\]; got \(3, 4\) and \(3, 2\)",
+    )  # fmt: skip
     yield ErrorInput(
         call("complex128_key", key_dtype=torch.complex128, cache_dtype=torch.complex128), TypeError,
         "paged_kv_write: copies elements of at most 8 bytes",

@@ -247,6 +247,10 @@ def error_inputs(device: torch.device) -> Iterator[ErrorInput]:
         call("chunk_start_negative", set_id(5, 1, -3)), ValueError,
         r"sconv: token_chunk_start must be in \[0, t\] for a real token t .*got \[-3\] at tokens \[1\]", True,
     )  # fmt: skip
+    yield ErrorInput(  # just past the bound: a chunk starting after its own token
+        call("chunk_start_past_the_token", set_id(5, 1, 2)), ValueError,
+        r"sconv: token_chunk_start must be in \[0, t\] for a real token t .*got \[2\] at tokens \[1\]", True,
+    )  # fmt: skip
     slot_rule = rf"sconv: slot_mapping must be -1 or in \[0, {num_blocks * 4}\); got \[{{}}\]"
     for value in (num_blocks * 4, 10**7, -2):
         yield ErrorInput(call(f"slot_{value}", set_id(6, 1, value)), ValueError, slot_rule.format(value), True)
