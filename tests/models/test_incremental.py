@@ -130,6 +130,17 @@ def test_step5_long_sequences_past_top_k_regions(config, seed):
     _compare(model, result, checkpoint, cpu_margin=_NEAR_TIE_MARGIN_CPU, max_near_tie_fraction=max_fraction)
 
 
+def test_step5_requests_reach_the_last_region_of_their_block_table():
+    """max_model_len = one 80-token block: the longest request's last committed tokens (72..76) sit in the
+    table's last region and may select the region before it, the last one a block table can offer."""
+    config = Step5Config(layer_types=("csa",), index_top_k=4)
+    model, checkpoint = _step5(config, seed=0)
+    workload = Workload(prompt_lens=(50, 20), decode_lens=(27, 30), num_speculative_tokens=3, token_budget=16)
+    result = _run(model, workload, seed=0)
+    assert workload.max_len == model.attn_block_size == 80
+    _compare(model, result, checkpoint, cpu_margin=_NEAR_TIE_MARGIN_CPU)
+
+
 @pytest.mark.parametrize("config", _CSA_LAST_AND_FIRST)
 @pytest.mark.parametrize("seed", range(2))
 def test_step5_fp8_experts_match_the_independent_recompute(config, seed):
@@ -147,6 +158,8 @@ def test_step5_fp8_experts_match_the_independent_recompute(config, seed):
     [
         pytest.param(InklingConfig(), id="inkling"),
         pytest.param(InklingConfig(layer_types=("global",), block_size=32), id="inkling_global_enlarged_blocks"),
+        # Global conv pages twice the sliding ones: the unified page gives the layers conv blocks of 16 and 8.
+        pytest.param(InklingConfig(head_dim=64), id="inkling_unequal_conv_pages"),
     ],
 )
 @pytest.mark.parametrize("seed", range(6))

@@ -232,6 +232,11 @@ def _release_style_config(config: dict) -> None:
     config["intermediate_size"] = config.pop("moe_intermediate_size")
 
 
+def _aliases_next_to_their_names(config: dict) -> None:
+    """Both names of each aliased field, with different values: transformers reads the alias."""
+    config.update(sconv_kernel_size=3, sliding_window=5, num_local_experts=3, embedding_multiplier=4.0)
+
+
 def _derived_layer_types(config: dict) -> None:
     """No layer_types / mlp_layer_types (absent, or null): transformers derives them from local_layer_ids
     and dense_mlp_idx; "swish" is transformers' other name for SiLU."""
@@ -253,6 +258,16 @@ def test_release_style_config_names_load_as_transformers_reads_them(checkpoint, 
     assert (hf_config.conv_kernel_size, hf_config.sliding_window_size, hf_config.intermediate_size) == (4, 8, 96)
     assert (hf_config.moe_intermediate_size, hf_config.n_routed_experts, hf_config.logits_mup_width_multiplier) == (32, 4, 2.0)
     assert load_inkling(path).config == load_inkling(checkpoint).config
+
+
+def test_an_alias_next_to_its_name_wins_as_in_transformers(checkpoint, tmp_path):
+    path = single_file_copy(checkpoint, tmp_path, config_edit=_aliases_next_to_their_names)
+    hf_config = InklingTextConfig.from_pretrained(path)
+    config = config_from_transformers(json.loads((path / "config.json").read_text()))
+    want = (hf_config.conv_kernel_size, hf_config.sliding_window_size, hf_config.n_routed_experts,
+            hf_config.logits_mup_width_multiplier)  # fmt: skip
+    assert want == (3, 5, 3, 4.0)
+    assert (config.conv_kernel_size, config.sliding_window, config.n_routed_experts, config.logits_mup_width_multiplier) == want
 
 
 @pytest.mark.parametrize(
@@ -377,6 +392,28 @@ def test_parts_with_the_same_arithmetic_are_bitwise_in_fp32(checkpoint, hf32):
         for index in (0, 1):  # sliding (extent = window) and global (extent 12, log-scaled from position 4)
             layer, attn = model.layers[index], hf32.model.layers[index].self_attn
             _attention_is_bitwise(layer, attn, x)
+
+
+@pytest.mark.parametrize("experts, top_k", [(16, 4), (9, 5), (8, 8)])
+def test_router_is_bitwise_for_other_expert_counts(experts, top_k):
+    """The router against transformers' ``InklingTopkRouter`` where k > 2: the softmax sums the chosen
+    logits in ``topk(sorted=False)``'s order, which a sorted top-k changes (seen: 16 experts, top-4)."""
+    from transformers.models.inkling.modeling_inkling import InklingTopkRouter
+
+    edit = {"n_routed_experts": experts, "num_experts_per_tok": top_k}
+    hf_router = InklingTopkRouter(_hf_config({**HF_CONFIG, **edit}))
+    router = InklingModel(config_from_transformers(_hf_config({**HF_CONFIG, **edit}).to_dict()), dtype=torch.float32)
+    router = router.layers[1].mlp.gate
+    gen = torch.Generator().manual_seed(experts)
+    with torch.no_grad():
+        hf_router.weight.copy_(torch.randn(hf_router.weight.shape, generator=gen))
+        hf_router.e_score_correction_bias.copy_(torch.randn(experts, generator=gen) * 0.1)
+        router.load_state_dict(hf_router.state_dict())
+        x = torch.randn(64, HF_CONFIG["hidden_size"], generator=gen) * 0.1
+        weights, gammas = router(x)
+        _, hf_weights, hf_chosen, hf_gammas = hf_router(x[None])
+    assert torch.equal(weights, torch.zeros_like(weights).scatter(1, hf_chosen, hf_weights))
+    assert torch.equal(gammas, hf_gammas)
 
 
 def test_parts_with_the_same_arithmetic_are_bitwise_in_bf16(checkpoint, hf16):

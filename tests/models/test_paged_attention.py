@@ -52,8 +52,9 @@ class Step:
 
 
 def make_step(prior: list[int], new: list[int], num_tokens: int, *, block_size=4, max_blocks=12, seed=0,
-              dtype=torch.float32, strided=False) -> Step:
-    """Requests with ``prior[r]`` cached tokens and ``new[r]`` in this step (padded to ``num_tokens``).
+              dtype=torch.float32, strided=False, heads=(HQ, HKV)) -> Step:
+    """Requests with ``prior[r]`` cached tokens and ``new[r]`` in this step (padded to ``num_tokens``);
+    ``heads``: (query heads, KV heads).
 
     Blocks are a random permutation; table entries past each request's need are -1 (unallocated); the
     cache is random everywhere (stale rows must be masked, not zero). ``strided``: the cache is a slice of
@@ -69,10 +70,11 @@ def make_step(prior: list[int], new: list[int], num_tokens: int, *, block_size=4
         table[r, :n] = torch.tensor(perm[:n], dtype=torch.int32)
         perm = perm[n:]
     width = D + DV + (5 if strided else 0)
-    kv = torch.randn(num_blocks, block_size, HKV, width, generator=gen).to(dtype)[..., : D + DV]
+    num_heads, num_kv_heads = heads
+    kv = torch.randn(num_blocks, block_size, num_kv_heads, width, generator=gen).to(dtype)[..., : D + DV]
     qsl = torch.tensor([0] + torch.tensor(new).cumsum(0).tolist(), dtype=torch.int32)
     token = build_token_metadata(qsl, torch.tensor(seq_lens, dtype=torch.int32), num_tokens)
-    query = torch.randn(num_tokens, HQ, D, generator=gen).to(dtype)
+    query = torch.randn(num_tokens, num_heads, D, generator=gen).to(dtype)
     return Step(query, kv, table, token, seq_lens)
 
 
@@ -99,17 +101,17 @@ def dense_oracle(step: Step, scale: float, window: int | None) -> torch.Tensor:
 def fp64_recompute(step: Step, scale: float, window=None, bias=None, regions=None) -> torch.Tensor:
     """Per token, in fp64: its request's K/V read position by position through the table, a boolean mask,
     softmax, weighted sum. ``regions [T, G, K]``: CSA selection (own region added); None = all causal keys."""
-    block_size = step.kv_cache.shape[1]
-    out = torch.zeros(step.query.shape[0], HQ, DV, dtype=torch.float64)
+    block_size, num_heads, num_kv_heads = step.kv_cache.shape[1], step.query.shape[1], step.kv_cache.shape[2]
+    out = torch.zeros(step.query.shape[0], num_heads, DV, dtype=torch.float64)
     for t in range(step.query.shape[0]):
         p, r = int(step.token.position[t]), int(step.token.request[t])
         if p < 0:
             continue
         k_pos = torch.arange(p + 1)
         slots = step.block_table[r, k_pos // block_size].long() * block_size + k_pos % block_size
-        rows = step.kv_cache.flatten(0, 1)[slots].double()  # [p + 1, HKV, D + DV]
-        for h in range(HQ):
-            kv_head = h // (HQ // HKV)
+        rows = step.kv_cache.flatten(0, 1)[slots].double()  # [p + 1, Hkv, D + DV]
+        for h in range(num_heads):
+            kv_head = h // (num_heads // num_kv_heads)
             scores = rows[:, kv_head, :D] @ step.query[t, h].double() * scale
             keep = torch.ones(p + 1, dtype=torch.bool)
             if window is not None:
@@ -119,7 +121,7 @@ def fp64_recompute(step: Step, scale: float, window=None, bias=None, regions=Non
                 extent = bias.shape[-1]
                 scores = scores + torch.where(d < extent, bias[t, h].double()[d.clamp(max=extent - 1)], 0.0)
             if regions is not None:
-                g = kv_head // (HKV // regions.shape[1])
+                g = kv_head // (num_kv_heads // regions.shape[1])
                 chosen = set(regions[t, g].tolist()) | {p // 8}
                 keep &= torch.tensor([int(k) // 8 in chosen for k in k_pos])
             weights = torch.softmax(scores.masked_fill(~keep, float("-inf")), 0)
@@ -271,9 +273,10 @@ def test_sparse_region_attention_matches_dense_path(scenario, dtype):
     assert got[step.token.position < 0].eq(0).all()
 
 
-@pytest.mark.parametrize("groups", [1, 2])
-def test_sparse_region_attention_per_kv_group_matches_fp64(groups):
-    step = make_step(*SCENARIOS["mixed"], block_size=16, max_blocks=4)
+# Hkv = 4 in 2 groups: group g is KV heads 2g, 2g + 1 (consecutive), which interleaved heads (g, g + 2) are not.
+@pytest.mark.parametrize("kv_heads, groups", [(2, 1), (2, 2), (4, 2), (4, 4)])
+def test_sparse_region_attention_per_kv_group_matches_fp64(kv_heads, groups):
+    step = make_step(*SCENARIOS["mixed"], block_size=16, max_blocks=4, heads=(2 * kv_heads, kv_heads))
     ids = selection(step.query.shape[0], groups, 3, step.token.position, seed=2)
     got = sparse_region_attention(step.query, step.kv_cache, step.block_table, step.token, ids, scale=0.4)
     want = fp64_recompute(step, 0.4, regions=ids)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from stepops.models import InklingModel, Step5Config, Step5Model
-from stepops.models.runner import ScheduledRequest, StepRunner, Workload
+from stepops.models.runner import TOKENS, ScheduledRequest, StepRunner, Workload
 from stepops.testing.storage import StorageSnapshot
 
 
@@ -179,6 +179,25 @@ def test_a_step5_step_further_back_than_the_csa_rings_keep_is_refused():
     assert snapshot.changed_bytes() == 0
     runner.step([ScheduledRequest(0, 16, _x(runner, 1))])
     runner.step([ScheduledRequest(0, 0, _x(runner, 3))])
+    runner.step([ScheduledRequest(0, 3, _x(runner, 2))])  # the restarted request goes on from what it fed
+
+
+def test_speculative_generation_fits_max_model_len_prompt_plus_new_minus_one():
+    """The last new token is never fed, so ``len(prompt) + max_new_tokens - 1`` positions serve
+    ``generate``: drafts near the end are cut to what still fits (one draft more had grown past
+    max_model_len), and the tokens are those of plain greedy decoding."""
+    torch.manual_seed(0)
+    model = InklingModel()
+    prompts, new = [[5, 9, 2, 7], [3, 1]], 12
+
+    def generate(draft=None):
+        runner = StepRunner(model, max_requests=2, max_model_len=4 + new - 1, max_tokens=16, device="cpu",
+                            inputs=TOKENS)  # fmt: skip
+        return runner.generate(prompts, new, draft=draft)
+
+    greedy = generate()
+    # The true continuation as drafts, 3 at a time: every draft is accepted up to the end.
+    assert generate(lambda i, tokens: greedy[i][len(tokens) - len(prompts[i]) :][:3]) == greedy
 
 
 def test_a_model_on_another_device_is_refused_naming_the_parameter():

@@ -110,24 +110,35 @@ def test_moe_layers_sum_routed_and_shared_experts_before_the_residual(monkeypatc
 _FP8_MOE_EQUAL_FRACTION = 0.99
 
 
-@pytest.mark.parametrize("round_inputs", [True, False], ids=["as_the_reference", "weights_only"])
-def test_fp8_experts_compute_the_reference_fp8_gemm(round_inputs, monkeypatch):
+@pytest.mark.parametrize(
+    "round_inputs, bf16_projection",
+    [(True, None), (False, None), (True, "up_proj"), (True, "gate_proj")],
+    ids=["as_the_reference", "weights_only", "bf16_up_proj", "bf16_gate_proj"],
+)
+def test_fp8_experts_compute_the_reference_fp8_gemm(round_inputs, bf16_projection, monkeypatch):
     """The same ``h`` into the layer's MoE and the recompute's: they agree as two fp8 GEMMs do, and a layer
-    that only dequantises the weights (no input rounding) fails the same bar."""
+    that only dequantises the weights (no input rounding) fails the same bar. A checkpoint may hold one of
+    gate/up in bf16: that GEMM takes the bf16 input while the other rounds it."""
     import stepops.models.step5 as step5
     import stepops.testing.step5_reference as reference
 
     config = Step5Config(hidden_size=320, moe_intermediate_size=200)  # ragged 128-blocks along both K
     checkpoint = random_step5_checkpoint(config, seed=0)
+    prefix = f"layers.{config.moe_layers[0]}."
+    if bf16_projection:
+        name = f"{prefix}moe.{bf16_projection}"
+        codes, scale = checkpoint[f"{name}.weight"], checkpoint.pop(f"{name}.weight_scale_inv")
+        checkpoint[f"{name}.weight"] = step5.dequantize_fp8_blocks(codes, scale).to(torch.bfloat16)
     model = Step5Model(config)
     load_step5_state_dict(model, checkpoint)
     moe = model.layers[config.moe_layers[0]].moe
-    assert moe.gate_proj.fp8 and moe.up_proj.fp8 and moe.down_proj.fp8
+    assert [moe.gate_proj.fp8, moe.up_proj.fp8, moe.down_proj.fp8] == [
+        bf16_projection != "gate_proj", bf16_projection != "up_proj", True
+    ]
     if not round_inputs:
         monkeypatch.setattr(step5, "round_to_e4m3_blocks", lambda x: x.float())
     h = torch.randn(64, config.hidden_size, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
     small = h[: moe.small_step_max_tokens]  # a step that gathers the chosen experts: the other path
-    prefix = f"layers.{config.moe_layers[0]}."
     with torch.inference_mode():
         got = torch.cat([moe(h), moe(small)])
         want = torch.cat([reference._moe(config, checkpoint, prefix, h), reference._moe(config, checkpoint, prefix, small)])
