@@ -38,7 +38,7 @@ from torch._dynamo.utils import counters
 
 from stepops.layouts import InklingStream
 from stepops.models import InklingConfig, InklingDecoderLayer, InklingModel
-from stepops.models.inkling import DENSE, SPARSE, InklingMoE, inkling_sharding, shard_inkling_state_dict
+from stepops.models.inkling import DENSE, SPARSE, InklingMLP, InklingMoE, inkling_sharding, shard_inkling_state_dict
 from stepops.models.runner import COMPILED, EAGER, StepRunner, Workload, run_workload
 from stepops.models.tensor_parallel import spawn_ranks
 from stepops.testing import TOLERANCES
@@ -62,15 +62,6 @@ CHECKS = (
     "tp_above_kv_heads_refused",
     "steps_write_only_their_own_rows",
 )
-
-
-def _unit_gain_experts(model: InklingModel) -> None:
-    """Expert and shared-expert weights of std ``in_features ** -0.5``: with the default std 0.02 the MoE's
-    output is too small for a mis-sharded expert weight (gate and up halves mixed up) to pass the bound."""
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if ".mlp.experts_" in name or ".mlp.shared_" in name:
-                parameter.normal_(0.0, parameter.shape[-1] ** -0.5)
 
 
 def _runner(model: InklingModel, mode: str = EAGER, backend=None) -> StepRunner:
@@ -106,7 +97,6 @@ def _rank_checks(rank: int, tp_size: int, out_dir: str) -> None:
     torch.set_num_threads(1)  # two ranks on two shared cores
     torch.manual_seed(0)
     full = InklingModel(CONFIG)
-    _unit_gain_experts(full)
     want = run_workload(_runner(full), WORKLOAD, CONFIG.hidden_size)
     eager = _sharded(full, rank, shard_of=rank)
     small_steps = []
@@ -256,6 +246,38 @@ def test_shards_reassemble_the_full_state_dict():
         chunks = [p.unflatten(rule.dim, (rule.parts, -1)) for p in parts]
         assert torch.equal(torch.cat(chunks, dim=rule.dim + 1).flatten(rule.dim, rule.dim + 1), value), key
         assert parts[0].shape[rule.dim] == value.shape[rule.dim] // TP, key
+
+
+@pytest.mark.parametrize("layer", [0, 1], ids=["dense_mlp", "sparse_moe"])
+def test_each_ranks_mlp_shard_computes_its_part_of_the_full_mlp(layer):
+    """One process, no collectives: each rank's MLP (dense, or routed and shared experts) built from its
+    shard, on the same input, gives a partial sum; the partials add up to the full MLP's output. Unit-gain
+    weights: at the default std 0.02 the MLP's output is too small for a wrong slice (the halves of the
+    fused experts' [gate; up] swapped between ranks) to pass the multi-layer test's bound. The same input
+    on every rank routes alike, so no near tie can flip an expert between the two sides."""
+    torch.manual_seed(0)
+    full = InklingModel(CONFIG)
+    with torch.no_grad():
+        for name, parameter in full.named_parameters():
+            if f"layers.{layer}.mlp." in name and ".gate." not in name:  # the router keeps its init
+                parameter.normal_(0.0, parameter.shape[-1] ** -0.5)
+    prefix = f"layers.{layer}.mlp."
+    mlp = full.layers[layer].mlp
+    x = torch.randn(6, CONFIG.hidden_size).to(torch.bfloat16)
+    partials = []
+    for rank in range(TP):
+        shard = shard_inkling_state_dict(full.state_dict(), CONFIG, tp_rank=rank, tp_size=TP)
+        if layer == 0:
+            rank_mlp = InklingMLP(CONFIG.hidden_size, CONFIG.intermediate_size // TP, torch.bfloat16)
+        else:
+            rank_mlp = InklingMoE(CONFIG, CONFIG.moe_intermediate_size // TP, torch.bfloat16)
+        rank_mlp.load_state_dict({k[len(prefix) :]: v for k, v in shard.items() if k.startswith(prefix)})
+        with torch.no_grad():
+            partials.append(rank_mlp(x).float())
+    with torch.no_grad():
+        want = mlp(x).float()
+    # Each partial and the full output round to bf16 once: a few bf16 ulps of the output's scale apart.
+    torch.testing.assert_close(sum(partials), want, atol=2**-6 * float(want.abs().max()), rtol=2**-6)
 
 
 def test_shard_refuses_tp_above_kv_heads_and_unknown_keys():
