@@ -199,7 +199,8 @@ def check_inkling_tp(config: InklingConfig, tp_size: int) -> None:
     """Raise ``ValueError`` unless ``config`` shards over ``tp_size`` ranks by whole KV heads.
 
     Every layer kind in use needs ``tp_size <= num_kv_heads``, ``num_kv_heads`` divisible by ``tp_size`` and,
-    sharded, ``hidden_size`` by ``num_kv_heads`` (the conv-state layout's own errors); the intermediate sizes of the MLP kinds in use must divide by ``tp_size``.
+    sharded, ``hidden_size`` by ``num_kv_heads`` (the conv-state layout's own errors); the intermediate sizes
+    of the MLP kinds in use must divide by ``tp_size``.
     """
     for kind in sorted(set(config.layer_types)):
         _, kv_heads, head_dim = config.attention_geometry(kind)
