@@ -246,9 +246,17 @@ def test_allocator_checks_the_backend_shape():
     Backend.order, Backend.shape = (0, 1, 2, 3), (2, 16, 1, 64)
     with pytest.raises(ValueError, match=r"TEST: cache shape \(2, 16, 1, 64\) is not 2 blocks of one 4096-byte page"):
         allocate_kv_caches({"x": Owner()}, 2)
-    # Every view is made before any layer binds: a bad shape in a later layer leaves the earlier one unbound
-    # (it was bound to a buffer of the allocation that failed).
-    first = Owner()
+    # Every view is made before any layer binds: a bad shape in a later layer leaves the earlier one (whose
+    # backend is good) unbound (it was bound to a buffer of the allocation that failed).
+    class GoodBackend(Backend):
+        shape = None
+
+    class GoodOwner(Owner):
+        def get_attn_backend(self):
+            return GoodBackend
+
+    allocate_kv_caches({"good": GoodOwner()}, 2)
+    first = GoodOwner()
     with pytest.raises(ValueError, match=r"TEST: cache shape"):
         allocate_kv_caches({"first": first, "x": Owner()}, 2)
     assert not hasattr(first, "kv_cache")

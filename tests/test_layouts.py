@@ -467,6 +467,15 @@ def test_inkling_properties_over_random_parameters():
 # ---------------------------------------------------------------------------------------------------------
 
 
+def test_inkling_bind_takes_one_block_with_any_block_stride():
+    """One block has no neighbour to overlap: its stride(0) may be anything, as for the ring."""
+    layout = InklingConvStateLayout(num_kv_heads=2, head_dim=8, hidden_size=16, kernel_size=4)
+    cache = torch.zeros(layout.cache_shape(1), dtype=torch.bfloat16)
+    for stride in (0, 1):
+        view = cache.as_strided(cache.shape, (stride, *cache.stride()[1:]))
+        assert layout.bind(view).num_blocks == 1
+
+
 @pytest.mark.parametrize("block_size", [4, 32])
 def test_inkling_bind_reads_the_block_size_from_a_page_strided_view(block_size):
     layout = InklingConvStateLayout(num_kv_heads=4, head_dim=8, hidden_size=16, kernel_size=4, tp_size=2)

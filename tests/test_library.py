@@ -49,3 +49,29 @@ def test_inputs_that_require_grad(sample):
         out.float().sum().backward()
     with torch.no_grad():
         assert not op(*_with_grad(op, args), **kwargs).requires_grad
+
+
+def test_register_op_takes_the_given_cpu_kernel_tags_pt2_compliant_and_bumps_written_versions():
+    """A twin of ``torch_kernel`` whose CPU kernel writes nothing (how the benchmarks' no-op twins are
+    built): the CPU call runs that kernel, the op traces as pt2-compliant like a ``custom_op``, and the
+    written argument's version is bumped by the registration itself, not by the kernel's own writes (on
+    CUDA a Triton kernel bumps nothing)."""
+    from stepops._library import register_op
+
+    def add_into(x: torch.Tensor, cache: torch.Tensor) -> None:
+        """cache += x."""
+        cache.add_(x)
+
+    def write_nothing(x: torch.Tensor, cache: torch.Tensor) -> None:
+        pass
+
+    op = register_op(
+        "stepops_test_library::add_into", mutates_args=["cache"], torch_kernel=add_into, cpu_kernel=write_nothing,
+        cuda_kernel=add_into, fake=write_nothing,
+    )  # fmt: skip
+    assert torch.Tag.pt2_compliant_tag in op.tags
+    cache = torch.zeros(3)
+    version = cache._version
+    op(torch.ones(3), cache)
+    assert torch.equal(cache, torch.zeros(3))
+    assert cache._version > version

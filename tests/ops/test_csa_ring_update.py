@@ -422,7 +422,7 @@ def test_metadata_builder_matches_a_python_walk():
     seq_lens = [13, 0, 40, 17, 0, 56]  # request 5 closes region 6, whose table column 3 is past the width
     num_tokens = sum(query_lens) + 4
     rows_per_block, block_size = 11, 2
-    ring_blocks = torch.tensor([7, 0, 3, 1, 2, 5], dtype=torch.int32)
+    ring_blocks = torch.tensor([7, -1, 3, 1, -1, 5], dtype=torch.int32)  # requests without tokens: no ring
     table = torch.randint(0, 40, (6, 3), dtype=torch.int32)
     table[2, 2] = -1  # region 4 of request 2 (position 39) has no summary block
     qsl = torch.tensor([0, *np.cumsum(query_lens)], dtype=torch.int32)
@@ -447,6 +447,23 @@ def test_metadata_builder_matches_a_python_walk():
         got = getattr(metadata, name)
         assert got.dtype == torch.int32 and got.shape == (num_tokens,)
         assert got.tolist() == expected[name], name
+
+
+def test_metadata_builder_names_a_summary_block_table_without_columns():
+    with pytest.raises(ValueError, match=r"build_csa_ring_metadata: summary_block_table must be \[R = 1, max_blocks >= 1\], got \(1, 0\)"):
+        build_csa_ring_metadata(
+            torch.tensor([0, 1]), torch.tensor([8]), torch.tensor([0]), 8, torch.zeros(1, 0, dtype=torch.int32), 4, 1
+        )
+
+
+def test_validate_finds_a_last_chunk_one_token_past_t():
+    """No padding after the last request: its chunk running one row past T is caught by the validator
+    itself (the kernels' own id check would hide a validator that only caught longer overruns)."""
+    step = make_step([3, 9], [10, 15], proxy_dim=16, capacity=10)
+    chunk_len = torch.where(step.metadata.chunk_start == 3, 10, step.metadata.chunk_len).int()
+    metadata = step.metadata._replace(chunk_len=chunk_len)
+    with pytest.raises(ValueError, match="run past T = 12"):
+        validate_csa_ring_update_inputs(step.index_k, step.index_z, step.ring, step.summary_cache, metadata, 10)
 
 
 @pytest.mark.parametrize("on_meta", ["seq_lens", "ring_blocks", "summary_block_table"])

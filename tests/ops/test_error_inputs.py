@@ -62,6 +62,23 @@ def test_error_input_on_the_triton_kernel_masks_and_counts(case):
     assert kwargs["errors"].tolist() == [1], "the one bad token must be counted once"
 
 
+_DATA_CASES = [c for c in _CASES if c.error.data]
+
+
+@pytest.mark.parametrize("case", _DATA_CASES, ids=[c.name for c in _DATA_CASES])
+def test_error_input_on_the_triton_kernel_without_a_counter_writes_only_its_caches(case):
+    """No ``errors`` counter: the bad token is still masked, and nothing is counted anywhere (a kernel that
+    counted without a counter added 1 to the stand-in pointer it was given instead: an input's id)."""
+    sample = case.error.sample
+    args = copy_as_views(sample.args, triton_device())
+    schema = case.entry.overload._schema.arguments
+    inputs = [a for a, arg in zip(args, schema) if isinstance(a, torch.Tensor) and not (arg.alias_info and arg.alias_info.is_write)]
+    everything, read_only = StorageSnapshot([*args, *sample.kwargs.values()]), StorageSnapshot(inputs)
+    case.entry.triton_kernel(*args, **sample.kwargs)
+    assert everything.changed_outside_views() == 0
+    assert read_only.changed_bytes() == 0
+
+
 def test_error_counter_on_a_cuda_device_without_cuda_is_a_value_error(monkeypatch):
     """torch raised ``AssertionError: Torch not compiled with CUDA enabled``."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)

@@ -6,6 +6,7 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from stepops.ops.bounds import error_counter
 from stepops.ops.paged_kv_write import paged_kv_write
 from stepops.ops.paged_kv_write.reference import paged_kv_write_reference
 from stepops.ops.paged_kv_write.torch_kernel import paged_kv_write_torch
@@ -60,6 +61,22 @@ def test_padding_only_writes_nothing():
     assert cache.isnan().all() and value_cache.isnan().all()
 
 
+@pytest.mark.parametrize("bad", [12, 10**6, -2])
+def test_triton_kernel_masks_a_bad_slot_and_writes_the_other_tokens(bad):
+    """A slot out of range is counted and writes nothing (no other slot takes its row, slot 0 included);
+    the call's good tokens land as the PyTorch kernel writes them with the bad slot as padding."""
+    gen = torch.Generator().manual_seed(0)
+    key, value = (torch.randn(3, 2, 4, generator=gen).to(torch.bfloat16) for _ in range(2))
+    caches = [torch.zeros(3, 4, 2, 4, dtype=torch.bfloat16) for _ in range(2)]
+    want = [c.clone() for c in caches]
+    paged_kv_write_torch(key, value, *want, torch.tensor([5, -1, 7], dtype=torch.int32))
+    args = copy_as_views((key, value, *caches, torch.tensor([5, bad, 7], dtype=torch.int32)), triton_device())
+    errors = error_counter(triton_device())
+    paged_kv_write_triton(*args, errors=errors)
+    assert errors.tolist() == [1]
+    assert torch.equal(args[2].cpu(), want[0]) and torch.equal(args[3].cpu(), want[1])
+
+
 def _args(**over):
     args = dict(
         key=torch.zeros(2, 2, 4, dtype=torch.bfloat16),
@@ -111,8 +128,9 @@ def test_validate_checks_slot_ranges_and_duplicates(validate):
     for slots in ([0, 12], [-2, 0]):
         with pytest.raises(ValueError, match="paged_kv_write: slot_mapping must be -1 or in \\[0, 12\\)"):
             validate(**_args(slot_mapping=torch.tensor(slots, dtype=torch.int32)))
-    with pytest.raises(ValueError, match="two tokens of one call the same slot"):
-        validate(**_args(slot_mapping=torch.tensor([3, 3], dtype=torch.int32)))
+    for slots in ([3, 3], [0, 0]):  # slot 0 is a real slot
+        with pytest.raises(ValueError, match="two tokens of one call the same slot"):
+            validate(**_args(slot_mapping=torch.tensor(slots, dtype=torch.int32)))
 
 
 def test_triton_kernel_reads_a_strided_slot_mapping_by_its_stride():

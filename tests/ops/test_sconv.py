@@ -399,6 +399,12 @@ def test_validate_rejects_inconsistent_metadata():
     assert "positions run with a gap" in _validate_error(edit_metadata=_set("token_position", 2, 20))
     assert "not contiguous" in _validate_error(edit_metadata=_set("token_request", 2, 1))
     assert "chunk start" in _validate_error(edit_metadata=_set("token_chunk_start", 0, 3))
+
+    def start_one_past_a_slotless_token(metadata):  # no slot, so only the chunk-start rule can catch it
+        metadata.slot_mapping[0], metadata.token_chunk_start[0] = -1, 1
+
+    assert "chunk start 1; expected one in [0, 0]" in _validate_error(edit_metadata=start_one_past_a_slotless_token)
+    assert "has slot -2" in _validate_error(edit_metadata=_set("slot_mapping", 4, -2))
     assert "block_table row in [0, 2)" in _validate_error(edit_metadata=_set("token_request", 0, 2))
     assert "past its block table" in _validate_error(edit_metadata=_set("token_position", 0, 12))
 

@@ -114,6 +114,14 @@ def test_an_int_outside_int64_is_a_value_error_naming_the_argument(op, make_args
         op(**args)
 
 
+@pytest.mark.parametrize("op, make_args", [(paged_kv_write, _paged_kv_write_args), (sconv, _sconv_args), (csa_ring_update, _csa_args)])
+def test_the_wrappers_hand_their_errors_counter_to_the_op(op, make_args):
+    """A counter of the wrong shape reaches the op's check (a wrapper that dropped it would leave a GPU
+    caller's counter at 0 whatever the ids)."""
+    with pytest.raises(ValueError, match=rf"{op.__name__}: errors must be an int32 \[1\] tensor"):
+        op(**make_args(), errors=torch.zeros(2, dtype=I32))
+
+
 def test_the_wrappers_still_take_their_documented_types():
     """The type checks let the ordinary calls through (the docs' examples use exactly these)."""
     args = _sconv_args()

@@ -20,11 +20,16 @@ def paged_kv_write_samples(device: torch.device) -> Iterator[SampleInput]:
     gen = torch.Generator().manual_seed(0)
 
     def make(name, *, tokens, heads, head_size, head_size_v, num_blocks, block_size, padding=0,
-             dtype=torch.bfloat16, slot_dtype=torch.int32, page_stride_pad=0, key_from_fused=False):
+             dtype=torch.bfloat16, slot_dtype=torch.int32, page_stride_pad=0, key_from_fused=False,
+             heads_from_fused=False):
         if key_from_fused:
             # key and value as column slices of one fused [T, H, D + Dv] projection: non-contiguous inputs.
             fused = torch.randn(tokens, heads, head_size + head_size_v, generator=gen).to(dtype).to(device)
             key, value = fused[:, :, :head_size], fused[:, :, head_size:]
+        elif heads_from_fused:
+            # key and value as head slices of one [T, 2H, D] tensor: a token stride of 2 H D, not H D.
+            fused = torch.randn(tokens, 2 * heads, head_size, generator=gen).to(dtype).to(device)
+            key, value = fused[:, :heads], fused[:, heads:]
         else:
             key = torch.randn(tokens, heads, head_size, generator=gen).to(dtype).to(device)
             value = torch.randn(tokens, heads, head_size_v, generator=gen).to(dtype).to(device)
@@ -44,6 +49,8 @@ def paged_kv_write_samples(device: torch.device) -> Iterator[SampleInput]:
                slot_dtype=torch.int64, page_stride_pad=24)
     yield make("fused_noncontiguous_fp32", tokens=4, heads=1, head_size=6, head_size_v=10, num_blocks=3,
                block_size=4, dtype=torch.float32, key_from_fused=True)
+    yield make("head_slices_of_fused_kv", tokens=3, heads=2, head_size=4, head_size_v=4, num_blocks=3, block_size=2,
+               heads_from_fused=True)
     yield make("all_padding_fp16", tokens=3, heads=2, head_size=4, head_size_v=4, num_blocks=2, block_size=4,
                padding=3, dtype=torch.float16)
     yield make("empty_t0", tokens=0, heads=2, head_size=8, head_size_v=8, num_blocks=2, block_size=4)
