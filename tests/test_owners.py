@@ -82,10 +82,20 @@ def test_paged_attention_layer_binds_strided_nhd_cache():
         layer.bind_kv_cache(torch.zeros(3, 0, 2, 12, dtype=torch.bfloat16))
     with pytest.raises(TypeError, match="must be torch.bfloat16, got torch.float32"):
         layer.bind_kv_cache(torch.zeros(3, 4, 2, 12))
-    with pytest.raises(ValueError, match="blocks overlap"):
-        layer.bind_kv_cache(base.as_strided((3, 8, 2, 12), (page // 2, 24, 12, 1)))
+    for blocks in (3, 2):  # two blocks are enough to overlap
+        with pytest.raises(ValueError, match="blocks overlap"):
+            layer.bind_kv_cache(base.as_strided((blocks, 8, 2, 12), (page // 2, 24, 12, 1)))
+    # Wider than head_size + head_size_v: the value view would take the extra columns.
+    with pytest.raises(ValueError, match=r"must be \[num_blocks, N, 2, 12\] .*got shape \(3, 8, 2, 16\)"):
+        layer.bind_kv_cache(torch.zeros(3, 8, 2, 16, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="contiguous within a block"):
         layer.bind_kv_cache(torch.zeros(3, 2, 4, 12, dtype=torch.bfloat16).transpose(1, 2))
+
+
+@pytest.mark.parametrize("prefix", ["", None, 3])
+def test_a_layer_needs_a_non_empty_name(prefix):
+    with pytest.raises(TypeError, match="prefix must be a non-empty str"):
+        PagedAttentionLayer(prefix=prefix, num_kv_heads=1, head_size=8, block_size=4, static_forward_context={})
 
 
 def test_paged_attention_layer_with_one_packed_latent_has_no_value_columns():

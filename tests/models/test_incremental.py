@@ -170,6 +170,20 @@ def test_inkling_matches_full_recompute(config, seed):
     _compare(model, _run(model, _WORKLOAD, seed))
 
 
+def test_inkling_decodes_into_a_partial_last_conv_block():
+    """max_model_len 35 over conv blocks of 4: the table's last block is partial (positions 32..34) and the
+    longest request commits positions 32 and 33 into it, 33's taps reading 32 back from the cache (k = 1, so
+    committed tokens reach it)."""
+    config = InklingConfig(num_speculative_tokens=1)
+    workload = Workload(prompt_lens=(19, 9, 21), decode_lens=(12, 16, 13), num_speculative_tokens=1, token_budget=16)
+    torch.manual_seed(0)
+    with torch.device(_device()):
+        model = InklingModel(config)
+    result = _run(model, workload, seed=0)
+    assert workload.max_len == 35 and {layer.conv_state.kv_cache.shape[2] for layer in model.layers} == {4}
+    _compare(model, result)
+
+
 def _run_poisoned(model, poison: bool):
     """The workload; with ``poison`` every attention KV cache holds NaN before the first step and every
     Step5 summary cache e4m3's NaN code (0x7F), so only rows the steps write are ever real."""

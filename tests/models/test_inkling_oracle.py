@@ -194,10 +194,11 @@ def test_bad_weights_are_errors_that_name_them(checkpoint, tmp_path, edit, messa
         (lambda c: c.update(swa_num_key_value_heads=3), r"sliding layers: query heads \(4\) must be a multiple of KV heads \(3\)"),
         (lambda c: c.pop("log_scaling_alpha"), r"the Inkling config has no 'log_scaling_alpha'"),
         (lambda c: c.update(num_hidden_layers=4), r"num_hidden_layers \(4\) must equal the number of layer_types \(3\)"),
+        (lambda c: c.update(num_hidden_layers=2), r"num_hidden_layers \(2\) must equal the number of layer_types \(3\)"),
         # A long list of every weight as "unexpected" before (an InklingTextModel's names lack "model.").
         (lambda c: c.update(architectures=["InklingTextModel"]), r"an InklingTextModel checkpoint has no lm_head"),
     ],
-    ids=["model_type", "activation", "layer_type", "geometry", "missing_field", "layer_count", "base_model"],
+    ids=["model_type", "activation", "layer_type", "geometry", "missing_field", "layer_count", "layer_count_below", "base_model"],
 )
 def test_unsupported_configs_are_errors(checkpoint, tmp_path, config_edit, message):
     with pytest.raises(ValueError, match=message):
@@ -243,6 +244,19 @@ def _derived_layer_types(config: dict) -> None:
     del config["layer_types"]
     config["mlp_layer_types"] = None
     config.update(local_layer_ids=[0, 2], dense_mlp_idx=1, hidden_act="swish")
+
+
+def test_layer_kinds_absent_everywhere_default_as_in_transformers():
+    """No layer_types, mlp_layer_types, local_layer_ids or dense_mlp_idx: transformers' defaults (every
+    sixth layer global, every MLP sparse) over 7 layers."""
+    fields = ("layer_types", "mlp_layer_types", "local_layer_ids", "dense_mlp_idx")
+    hf_config = _hf_config({k: v for k, v in HF_CONFIG.items() if k not in fields} | {"num_hidden_layers": 7})
+    saved = {k: v for k, v in hf_config.to_dict().items() if k not in fields}
+    config = config_from_transformers(saved)
+    kinds = {"hybrid_sliding": "sliding", "hybrid": "global"}
+    assert list(config.layer_types) == [kinds[t] for t in hf_config.layer_types]
+    assert list(config.mlp_layer_types) == list(hf_config.mlp_layer_types)
+    assert config.layer_types.count("global") == 1 and set(config.mlp_layer_types) == {"sparse"}
 
 
 def test_derived_layer_types_load_as_transformers_reads_them(checkpoint, tmp_path):

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from stepops.models import InklingModel, Step5Config, Step5Model
-from stepops.models.runner import TOKENS, ScheduledRequest, StepRunner, Workload
+from stepops.models.runner import TOKENS, ScheduledRequest, StepRunner, Workload, run_workload
 from stepops.testing.storage import StorageSnapshot
 
 
@@ -114,6 +114,7 @@ def test_token_steps_and_generate_check_their_arguments_before_any_step():
     for call, error, match in (
         (lambda: runner.step([ScheduledRequest(0, 0, torch.tensor([1, 500]))]), ValueError,
          r"slot 0: token ids must be in \[0, 128\) \(the vocabulary\), got 1\.\.500"),
+        (lambda: runner.step([ScheduledRequest(0, 0, torch.tensor([128]))]), ValueError, r"got 128\.\.128"),  # = vocab
         (lambda: runner.step([ScheduledRequest(0, 0, torch.tensor([-1]))]), ValueError, "token ids must be in"),
         (lambda: runner.step([ScheduledRequest(0, 0, torch.tensor([1.5]))]), ValueError, r"must be \[n\] integer"),
         (lambda: runner.generate([[1, 2]], True), TypeError, "max_new_tokens must be an int, got bool"),
@@ -139,6 +140,7 @@ def test_token_steps_and_generate_check_their_arguments_before_any_step():
         (dict(max_requests=True), TypeError, "max_requests must be an int, got bool"),
         (dict(max_model_len=-5), ValueError, "max_model_len must be >= 1, got -5"),
         (dict(seed="a"), TypeError, "seed must be an int, got str"),
+        (dict(seed=-1), ValueError, "seed must be >= 0, got -1"),
     ],
 )
 def test_the_runners_sizes_are_checked_by_name(kwargs, error, match):
@@ -180,6 +182,28 @@ def test_a_step5_step_further_back_than_the_csa_rings_keep_is_refused():
     runner.step([ScheduledRequest(0, 16, _x(runner, 1))])
     runner.step([ScheduledRequest(0, 0, _x(runner, 3))])
     runner.step([ScheduledRequest(0, 3, _x(runner, 2))])  # the restarted request goes on from what it fed
+
+
+def test_warm_up_after_a_step_runs_padding_only_and_writes_nothing():
+    """warm_up resets the step buffers before each size: it must not replay the last step's schedule (which
+    needs more tokens than the smallest size, and would write its rows again)."""
+    torch.manual_seed(0)
+    model = InklingModel()
+    runner = StepRunner(model, max_requests=2, max_model_len=32, max_tokens=8, device="cpu")
+    runner.step([ScheduledRequest(0, 0, _x(runner, 5))])
+    snapshot = StorageSnapshot(model.cache_tensors())
+    runner.warm_up()
+    assert snapshot.changed_bytes() == 0
+
+
+def test_a_workloads_tokens_are_its_committed_and_rejected_positions():
+    torch.manual_seed(0)
+    model = InklingModel()
+    workload = Workload(prompt_lens=(5, 4), decode_lens=(3, 2), num_speculative_tokens=3, token_budget=8)
+    runner = StepRunner(model, max_requests=2, max_model_len=workload.max_len, max_tokens=8, device="cpu")
+    result = run_workload(runner, workload, model.config.hidden_size)
+    committed = sum(p + d for p, d in zip(workload.prompt_lens, workload.decode_lens))
+    assert result.rejected_tokens > 0 and result.tokens == committed + result.rejected_tokens
 
 
 def test_speculative_generation_fits_max_model_len_prompt_plus_new_minus_one():

@@ -91,6 +91,24 @@ def test_safetensors_directory_with_a_prefix(tmp_path):
         assert torch.equal(a, b), name
 
 
+def test_a_key_in_two_files_is_an_error(tmp_path):
+    checkpoint = random_step5_checkpoint(_CONFIG, seed=1)
+    save_file(checkpoint, tmp_path / "a.safetensors")
+    key = "layers.0.self_attn.q_proj.weight"
+    save_file({key: torch.zeros_like(checkpoint[key])}, tmp_path / "b.safetensors")
+    with pytest.raises(ValueError, match=rf"{key} is in more than one file of"):
+        load_step5_safetensors(Step5Model(_CONFIG), tmp_path)
+
+
+def test_a_foreign_prefix_of_the_same_length_is_unexpected():
+    """``draft.`` is as long as ``model.``: its names must not load as the model's own."""
+    checkpoint = {f"model.{k}": v for k, v in random_step5_checkpoint(_CONFIG, seed=0).items()}
+    key = "layers.0.self_attn.q_proj.weight"
+    checkpoint[f"draft.{key}"] = checkpoint.pop(f"model.{key}")
+    with pytest.raises(ValueError, match=rf"missing \['model\.{key}'\], unexpected \['draft\.{key}'\]"):
+        load_step5_state_dict(Step5Model(_CONFIG), checkpoint, prefix="model.")
+
+
 def _load(checkpoint):
     load_step5_state_dict(Step5Model(_CONFIG), checkpoint)
 
@@ -130,6 +148,13 @@ def test_a_scale_without_its_weight_and_fp8_without_a_scale_are_errors():
     checkpoint = random_step5_checkpoint(_CONFIG, seed=0)
     checkpoint["layers.0.self_attn.q_proj.weight"] = checkpoint["layers.0.self_attn.q_proj.weight"].to(torch.float8_e5m2)
     with pytest.raises(TypeError, match=r"layers\.0\.self_attn\.q_proj\.weight: .*got torch\.float8_e5m2"):
+        _load(checkpoint)
+    # fp8 with a scale outside the routed experts (the shared expert here) is refused, not loaded unscaled.
+    checkpoint = random_step5_checkpoint(_CONFIG, seed=0)
+    name = "layers.0.share_expert.gate_proj.weight"
+    checkpoint[name] = checkpoint[name].to(torch.float8_e4m3fn)
+    checkpoint[name.replace(".weight", ".weight_scale_inv")] = torch.ones(1, 1)
+    with pytest.raises(ValueError, match=r"share_expert\.gate_proj\.weight: only routed experts .* may be fp8"):
         _load(checkpoint)
     checkpoint = random_step5_checkpoint(_CONFIG, seed=0)
     checkpoint["layers.0.moe.down_proj.weight_scale_inv"] = checkpoint["layers.0.moe.down_proj.weight_scale_inv"][..., :0]
