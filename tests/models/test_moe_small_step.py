@@ -115,6 +115,7 @@ def test_token_ranges_split_at_the_threshold():
     assert token_ranges_for(many, 16) == ((2, 7), (8, 16))
     assert token_ranges_for(many, 4) == ((2, 4),)
     assert token_ranges_for(many, 8) == ((2, 7), (8, 8))
+    assert token_ranges_for(many, 7) == ((2, 7),)  # the bound at max_size: no empty range after it
     assert token_ranges_for(InklingModel(InklingConfig(n_routed_experts=6)), 16) == ((2, 2), (3, 16))
     dense = InklingModel(InklingConfig(n_routed_experts=16, mlp_layer_types=("dense", "dense")))
     assert token_ranges_for(dense, 16) == ((2, 16),)
