@@ -256,12 +256,11 @@ def test_each_ranks_mlp_shard_computes_its_part_of_the_full_mlp(layer):
     fused experts' [gate; up] swapped between ranks) to pass the multi-layer test's bound. The same input
     on every rank routes alike, so no near tie can flip an expert between the two sides."""
     torch.manual_seed(0)
-    full = InklingModel(CONFIG)
+    full, prefix = InklingModel(CONFIG), f"layers.{layer}.mlp."
     with torch.no_grad():
         for name, parameter in full.named_parameters():
-            if f"layers.{layer}.mlp." in name and ".gate." not in name:  # the router keeps its init
+            if name.startswith(prefix) and ".gate." not in name:  # the router keeps its init
                 parameter.normal_(0.0, parameter.shape[-1] ** -0.5)
-    prefix = f"layers.{layer}.mlp."
     mlp = full.layers[layer].mlp
     x = torch.randn(6, CONFIG.hidden_size).to(torch.bfloat16)
     partials = []
