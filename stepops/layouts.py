@@ -336,6 +336,12 @@ class InklingConvStateLayout:
         return self.local_num_kv_heads * self.hidden_per_head
 
     @property
+    def hidden_padding(self) -> int:
+        """Zero channels that fill the last head's chunks: ``num_kv_heads * hidden_per_head - hidden_size``
+        (0 unless the KV heads do not divide ``hidden_size``, which only ``tp_size`` 1 allows)."""
+        return self.num_kv_heads * self.hidden_per_head - self.hidden_size
+
+    @property
     def packed_width(self) -> int:
         """Used part of ``D``: ``2 * head_dim + 2 * hidden_per_head``."""
         return 2 * self.head_dim + 2 * self.hidden_per_head

@@ -444,6 +444,7 @@ def test_inkling_properties_over_random_parameters():
         )
         chunk = (hidden + heads - 1) // heads
         assert (chunk - 1) * heads < hidden <= layout.local_hidden_size * tp == chunk * heads
+        assert layout.hidden_padding == chunk * heads - hidden
         packed = 2 * head_dim + 2 * chunk
         d = 1
         while d < packed:

@@ -220,7 +220,7 @@ def _run_inkling(args: argparse.Namespace) -> int:
         return 1
 
     _, heads, block_size, head_size = shape
-    pad = layout.local_hidden_size * layout.tp_size - layout.hidden_size
+    pad = layout.hidden_padding
     chunk = f"{layout.hidden_per_head}" + (f" (the last head's chunks padded by {pad} zero channels)" if pad else "")
     rows = [
         ("KV heads per rank (H)", f"{heads} ({layout.num_kv_heads} / tp_size {layout.tp_size})"),

@@ -533,7 +533,7 @@ class InklingDecoderLayer(nn.Module):
         conv, table, sconv_meta = self.conv_state.conv, metadata.conv_block_table, metadata.sconv
         if self.tp.size == 1:
             # KV heads that do not divide hidden: zero channels fill the last head's chunk (their output is 0).
-            pad = self.conv_state.layout.local_hidden_size - out.shape[1]
+            pad = self.conv_state.layout.hidden_padding
             if pad:
                 padded = conv(stream, F.pad(out, (0, pad)), F.pad(weight, (0, 0, 0, pad)), table, sconv_meta)
                 return padded[:, : out.shape[1]]
