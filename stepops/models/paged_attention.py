@@ -29,7 +29,7 @@ from typing import NamedTuple
 import torch
 
 from stepops.layouts import REGION_SIZE
-from stepops.ops.step_metadata import TokenMetadata
+from stepops.ops.step_metadata import TokenMetadata, paged_slots
 
 # A finite "no key yet" running max: exp(finite - finite) never makes inf - inf = NaN.
 _NO_MAX = torch.finfo(torch.float32).min
@@ -387,13 +387,10 @@ def region_summary_slots(
     """``[T, size]`` int64: the summary-cache row of regions ``start .. start + size - 1`` of each token's
     request (``request [T]``, -1 = padding, read as request 0); ``summary_block_table [R, max_summary_blocks]``.
     ``-1`` where the region's summary block is unallocated (a negative entry, or a column past the table).
-    A chunk of regions at a time, so no ``[T, num_regions]`` table exists."""
+    A chunk of regions at a time, so no ``[T, num_regions]`` table exists. The slots
+    :func:`stepops.build_csa_ring_metadata` has the op write summaries to (:func:`paged_slots`)."""
     region = torch.arange(start, start + size, device=summary_block_table.device)
-    if summary_block_table.shape[0] == 0 or summary_block_table.shape[1] == 0:  # no summary block at all
-        return region.new_full((request.shape[0], size), -1)
-    table = summary_block_table.long()[request.long().clamp(min=0)]  # [T, max_summary_blocks]
-    block, allocated = _lookup_blocks(table, (region // summary_block_size).expand(table.shape[0], size))
-    return torch.where(allocated, block * summary_block_size + region % summary_block_size, -1)
+    return paged_slots(summary_block_table, request, region.expand(request.shape[0], size), summary_block_size)
 
 
 def csa_region_scorer(

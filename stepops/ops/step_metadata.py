@@ -126,24 +126,35 @@ def build_token_metadata(
     )
 
 
-def paged_slot_mapping(token: TokenMetadata, block_table: torch.Tensor, block_size: int) -> torch.Tensor:
-    """``[T]`` int32: ``block_table[r, p // N] * N + p % N`` for a token at position ``p`` of request ``r``.
+def paged_slots(block_table: torch.Tensor, request: torch.Tensor, index: torch.Tensor, block_size: int) -> torch.Tensor:
+    """int64 ``block_table[r, i // N] * N + i % N``, shaped like ``index``: the paged slot of index ``i`` (a
+    token position, or a region) of request ``r`` (``request [T]``, ``index [T, ...]``, ``N = block_size``).
 
-    ``-1`` (write nothing) for padding, for a position past the table's ``max_blocks * N`` and for an
-    unallocated (negative) block entry: such a token has no slot of its own, and any slot made up for it
-    would be another position's (the runner sizes its tables so that real tokens never hit these cases).
+    ``-1`` where the index is negative (padding), its column is past the table or its block entry is
+    negative (unallocated): such an index has no slot, and any slot made up for it would be another
+    request's. A negative request is read as request 0 (its index must be masked by the caller, or be
+    negative). The one rule for every paged lookup of the metadata: the CSA op writes region summaries
+    where the indexer reads them.
     """
-    if block_table.numel() == 0:  # R = 0 (or no columns): no token has a slot, and there is nothing to gather
-        return torch.full_like(token.position, -1)
-    request = token.request.long().clamp(min=0)
-    position = token.position.long().clamp(min=0)
-    column = position // block_size
-    in_table = column < block_table.shape[1]
+    index = index.long()
+    if block_table.numel() == 0:  # R = 0 or no columns: no block at all, and nothing to gather
+        return torch.full_like(index, -1)
+    max_blocks = block_table.shape[1]
+    column = index.clamp(min=0) // block_size
+    row = request.long().clamp(min=0)
+    if index.dim() > 1:  # one request per leading index row
+        row = row.view(-1, *(1,) * (index.dim() - 1))
     # The clamp only keeps the gather in range; the columns it changes are masked out below.
-    block = block_table.long()[request, column.clamp(max=block_table.shape[1] - 1)]
-    slot = block * block_size + position % block_size
-    has_slot = (token.position >= 0) & in_table & (block >= 0)
-    return to_int32_ids(torch.where(has_slot, slot, -1))
+    block = block_table[row, column.clamp(max=max_blocks - 1)].long()
+    allocated = (index >= 0) & (column < max_blocks) & (block >= 0)
+    return torch.where(allocated, block * block_size + index % block_size, -1)
+
+
+def paged_slot_mapping(token: TokenMetadata, block_table: torch.Tensor, block_size: int) -> torch.Tensor:
+    """``[T]`` int32: the :func:`paged_slots` of each token's position in its request's ``block_table`` rows
+    ``[R, max_blocks]``; ``-1`` (write nothing) for padding, a position past the table's ``max_blocks * N``
+    and an unallocated block (the runner sizes its tables so that real tokens never hit these cases)."""
+    return to_int32_ids(paged_slots(block_table, token.request, token.position, block_size))
 
 
 def reuse_token_metadata(builder: str, token: TokenMetadata, num_tokens: int) -> None:

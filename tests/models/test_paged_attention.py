@@ -30,6 +30,7 @@ from stepops.models.paged_attention import (
     sparse_region_attention,
     streaming_topk,
 )
+from stepops.ops.csa_ring_update import build_csa_ring_metadata
 from stepops.ops.step_metadata import TokenMetadata, build_token_metadata
 from stepops.testing.memory import peak_transient_bytes
 
@@ -318,6 +319,33 @@ def test_csa_region_scorer_selects_as_the_dense_indexer():
     ranked = torch.sort(dense.masked_fill(later, float("-inf")), dim=-1, descending=True, stable=True)
     assert torch.equal(ids, ranked.indices[..., :3])
     torch.testing.assert_close(values, ranked.values[..., :3], atol=1e-6, rtol=1e-6)
+
+
+def test_indexer_reads_each_summary_where_the_csa_op_writes_it():
+    """The CSA builder's slot for a closing token and the indexer's slot for the region it closes are one
+    slot, and both are the written-out paged rule: -1 for an unallocated (negative) entry and for a column
+    past the table (request 0 reaches column 2 of a 2-column table; request 1's column 1 is -1)."""
+    summary_block_size, seq_lens, new = 2, [40, 24, 24], [16, 8, 9]  # closes at positions 31, 39; 23; 15, 23
+    summary_table = torch.tensor([[3, 0], [4, -1], [1, 2]], dtype=torch.int32)
+    qsl = torch.tensor([0, 16, 24, 33], dtype=torch.int32)
+    meta = build_csa_ring_metadata(
+        qsl, torch.tensor(seq_lens, dtype=torch.int32), torch.zeros(3, dtype=torch.int32), 16, summary_table,
+        summary_block_size, 36,
+    )
+    token = build_token_metadata(qsl, torch.tensor(seq_lens, dtype=torch.int32), 36)
+    read = region_summary_slots(summary_table, summary_block_size, token.request, 0, 6)
+    closing = []
+    for r in range(3):
+        for position in range(seq_lens[r] - new[r], seq_lens[r]):
+            if position % 8 == 7:
+                t = int(qsl[r]) + position - (seq_lens[r] - new[r])
+                column, offset = divmod(position // 8, summary_block_size)
+                entry = int(summary_table[r, column]) if column < summary_table.shape[1] else -1
+                want = entry * summary_block_size + offset if entry >= 0 else -1
+                closing.append(t)
+                assert int(meta.summary_slot[t]) == want == int(read[t, position // 8]), (r, position)
+    assert [int(meta.summary_slot[t]) for t in closing] == [1, -1, -1, 3, 4]
+    assert meta.summary_slot[[t for t in range(36) if t not in closing]].eq(-1).all()
 
 
 @pytest.mark.parametrize("per_kv_head", [False, True])

@@ -11,6 +11,7 @@ from stepops.ops.step_metadata import (
     TokenMetadata,
     build_token_metadata,
     check_same_device,
+    paged_slots,
     reuse_token_metadata,
     to_int32_ids,
 )
@@ -101,19 +102,13 @@ def build_csa_ring_metadata(
     qsl = query_start_loc.long()
     chunk_len = qsl[request + 1] - qsl[request]
     ring_base = ring_blocks.long()[request] * rows_per_block
-
-    region = position.clamp(min=0) // REGION_SIZE
-    column = region // summary_block_size
-    in_table = column < summary_block_table.shape[1]
-    block = summary_block_table.long()[request, column.clamp(max=summary_block_table.shape[1] - 1)]
-    slot = block * summary_block_size + region % summary_block_size
-    closes = real & (position % REGION_SIZE == REGION_SIZE - 1) & in_table & (block >= 0)
-
+    # The region a closing token closes; -1 (no summary slot) for the others and for padding (position -1).
+    closed_region = torch.where(position % REGION_SIZE == REGION_SIZE - 1, position // REGION_SIZE, -1)
     pad = torch.full_like(position, -1)
     return CSARingMetadata(
         position=token.position,
         chunk_start=token.chunk_start,
         chunk_len=torch.where(real, chunk_len, pad).to(torch.int32),
         ring_base=to_int32_ids(torch.where(real, ring_base, pad)),
-        summary_slot=to_int32_ids(torch.where(closes, slot, pad)),
+        summary_slot=to_int32_ids(paged_slots(summary_block_table, request, closed_region, summary_block_size)),
     )
