@@ -5,8 +5,7 @@ through ``stepops.models.runner.StepRunner``, one runner per mode, built from th
 same block tables). Two times per case: ``step`` is the runner's public ``step`` (host-side schedule copy
 into the fixed device buffers, then the forward), ``forward`` is the forward alone on filled buffers,
 which is what CUDA-graph replay replaces. The first step's outputs of each mode are compared with eager
-(reported, not asserted: the model tests own that check). Skipped, with the reason, when
-``stepops.models`` has no step runner.
+(reported, not asserted: the model tests own that check).
 
 ``moe_blocks``: one routed-expert block of each model at 64 experts top-8 (the small-step threshold is
 ``T <= 7``), eagerly, at decode sizes T = 1 and 4 (and 8, past the threshold, for scale): the chosen-experts
@@ -53,10 +52,8 @@ def _rewind(runner, batch):
 
 
 def run_layers(settings: Settings, log: Callable[[str], None]) -> dict[str, Any]:
-    try:
-        from stepops.models.runner import COMPILED, CUDA_GRAPH, EAGER, ScheduledRequest, StepRunner
-    except ImportError as error:
-        return {"skipped": f"stepops.models has no step runner ({error})"}
+    from stepops.models.runner import COMPILED, CUDA_GRAPH, EAGER, ScheduledRequest, StepRunner
+
     device = settings.device
     modes = [EAGER, COMPILED] + ([CUDA_GRAPH] if device.type == "cuda" else [])
     cases = _cases(settings)
@@ -147,8 +144,6 @@ def run_moe_blocks(settings: Settings, log: Callable[[str], None]) -> list[dict[
 
 
 def format_layers(results: dict[str, Any]) -> str:
-    if "skipped" in results:
-        return f"layers: skipped ({results['skipped']})"
     lines = ["decoder layer steps (us; step = host schedule copy + forward, forward = forward alone)"]
     for model in results["models"]:
         header = ["case", "R", "T"] + [f"{m} {what}" for m in model["modes"] for what in ("step", "fwd")]

@@ -407,6 +407,3 @@ def _run(args: argparse.Namespace) -> int:
         print(f"stepops demo: {error}", file=sys.stderr)
         return 2
     return run_demo(json_path=args.json, device=args.device, backend=args.backend, tp=args.tp)
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(run_demo())

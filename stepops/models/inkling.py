@@ -285,7 +285,7 @@ class InklingRouter(nn.Module):
     def __init__(self, config: InklingConfig, dtype: torch.dtype) -> None:
         super().__init__()
         c = config
-        self.num_experts, self.num_shared, self.top_k = c.n_routed_experts, c.n_shared_experts, c.num_experts_per_tok
+        self.num_experts, self.top_k = c.n_routed_experts, c.num_experts_per_tok
         self.route_scale = c.route_scale
         self.weight = _randn(c.n_routed_experts + c.n_shared_experts, c.hidden_size, dtype=dtype)
         # fp32 whatever the model's dtype (transformers keeps both in fp32).

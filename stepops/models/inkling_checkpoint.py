@@ -33,8 +33,6 @@ from safetensors import SafetensorError, safe_open
 from stepops.models.inkling import GLOBAL, SLIDING, InklingConfig, InklingModel, fuse_kv
 from stepops.specs import is_int
 
-TRANSFORMERS_VERSION = "5.23.0"
-
 # transformers name (after "model.layers.N.") -> stepops name (after "layers.N.").
 _LAYER_NAMES = {
     "input_layernorm.weight": "input_norm.weight",
@@ -447,4 +445,4 @@ def load_inkling(
     return model
 
 
-__all__ = ["ORIGINAL_WEIGHT_NAMES", "TRANSFORMERS_VERSION", "WEIGHT_NAMES", "config_from_transformers", "load_inkling"]
+__all__ = ["ORIGINAL_WEIGHT_NAMES", "WEIGHT_NAMES", "config_from_transformers", "load_inkling"]

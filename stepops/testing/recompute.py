@@ -64,11 +64,6 @@ class RecomputeComparison:
     rows: int
     near_tie_rows: int
 
-    @property
-    def few_near_ties(self) -> bool:
-        """Whether at most :data:`MAX_NEAR_TIE_FRACTION` of the rows were left out."""
-        return self.near_tie_rows <= MAX_NEAR_TIE_FRACTION * self.rows
-
 
 def compare_with_recompute(
     model: Step5Model | InklingModel,
