@@ -2,7 +2,7 @@
 tiny-model decode step (both decoder families, which attend through ``stepops.models.paged_attention``).
 
 **Layer attention** (:func:`run_attention`): one decode step of 64 requests (one token each) at 1k, 4k
-and 16k-token contexts, with the tiny models' head shapes (4 query heads, 2 KV heads of 16 + 16, block
+and 16k-token contexts, with the tiny models' head shapes (4 query heads, 2 KV heads of 16 + 16; Inkling's block
 size 16, bf16 cache, global attention: the whole context is read). Per provider and context:
 
 - ``peak_eager_mib`` / ``peak_compiled_mib``: peak transient memory of one call, beyond the caches,
@@ -39,10 +39,11 @@ import torch
 
 from benchmarks.cli_args import add_device_arguments, check_device_argument, check_json_argument
 from benchmarks.harness import Settings, median_us
+from stepops.layouts import REGION_SIZE
 from stepops.testing.memory import peak_transient_bytes
 
 NUM_REQUESTS = 64
-HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 4, 2, 16, 16  # the tiny Step5/Inkling configs
+HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 4, 2, 16, 16  # the tiny configs' heads; Inkling's block size
 CONTEXTS = (1024, 4096, 16384)
 
 
@@ -155,8 +156,8 @@ def _kv_read_bytes(model, context: int) -> int:
         per_token = cache.shape[2] * cache.shape[3] * cache.element_size()  # K and V of every KV head
         kind = layer.kind
         if kind == "csa":
-            regions = context // 8
-            keys = min(context, (model.config.index_top_k + 1) * 8)
+            regions = context // REGION_SIZE
+            keys = min(context, (model.config.index_top_k + 1) * REGION_SIZE)
             total += NUM_REQUESTS * regions * layer.summary_cache.shape[1]  # e4m3 summaries, 1 byte each
         elif kind == "sliding":
             keys = min(context, model.config.sliding_window)

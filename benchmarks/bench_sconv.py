@@ -15,9 +15,9 @@ import torch
 
 from benchmarks.harness import Case, Settings, Workload
 from benchmarks.steps import decode, generator as case_generator, standard_cases, verify
-from stepops.layouts import InklingConvStateLayout, InklingStream
+from stepops.layouts import INKLING_EXAMPLE_LAYOUT, InklingStream
 from stepops.ops.sconv.reference import sconv_reference
-from stepops.ops.sconv.samples import step_metadata
+from stepops.ops.sconv.samples import KV, step_metadata
 from stepops.testing import TOLERANCES
 
 OP = "sconv"
@@ -30,7 +30,7 @@ FLOOR = (
 # Inductor's Triton code may contract a multiply and an add into an FMA on a GPU; the op's kernel does not.
 TOLERANCES = {("compiled", "out", "cuda"): TOLERANCES["sconv_fma_contraction"]}
 
-LAYOUT = InklingConvStateLayout(num_kv_heads=8, head_dim=128, hidden_size=4096, kernel_size=4)
+LAYOUT = INKLING_EXAMPLE_LAYOUT
 
 
 def cases(quick: bool) -> list[Case]:
@@ -83,8 +83,6 @@ def _workload(case: Case, device: torch.device, offset: int, width: int, salt: s
     )
     return Workload((x, weight, cache, table.to(device), *metadata, offset), floor)
 
-
-KV = (InklingStream.K, InklingStream.V)
 
 
 def build(case: Case, device: torch.device) -> Workload:

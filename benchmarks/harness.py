@@ -45,7 +45,7 @@ from typing import Any
 import torch
 import torch.utils.benchmark as torch_benchmark
 
-from stepops._library import registered_ops
+from stepops._library import registered_ops, written_arguments
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 PROVIDERS = ("stepops", "naive", "compiled")
@@ -168,17 +168,12 @@ def _storage(tensor: torch.Tensor) -> torch.Tensor:
     return flat.view(tensor.dtype) if flat.numel() % tensor.element_size() == 0 else flat
 
 
-def mutated_arguments(op: torch._ops.OpOverload) -> list[int]:
-    """Positions of the arguments the op's schema says it writes."""
-    return [i for i, a in enumerate(op._schema.arguments) if a.alias_info is not None and a.alias_info.is_write]
-
-
 def state_after(op: torch._ops.OpOverload, fn: Callable[..., Any], workload: Workload) -> dict[str, torch.Tensor]:
     """Run ``fn(*args)`` once; return its output and a copy of each mutated argument's whole storage."""
     out = fn(*workload.args)
     names = [a.name for a in op._schema.arguments]
     # An optional written argument left out (the ``errors`` counter) is not state.
-    state = {names[i]: _storage(workload.args[i]).clone() for i in mutated_arguments(op)
+    state = {names[i]: _storage(workload.args[i]).clone() for i in written_arguments(op)
              if i < len(workload.args) and workload.args[i] is not None}
     if isinstance(out, torch.Tensor):
         state["out"] = out.clone()
@@ -310,7 +305,7 @@ def compiled_vs_naive(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
 
 def _written(op: torch._ops.OpOverload) -> list[str]:
-    return [a.name for a in op._schema.arguments if a.alias_info is not None and a.alias_info.is_write]
+    return [op._schema.arguments[i].name for i in written_arguments(op)]
 
 
 def _noop_kernel(op: torch._ops.OpOverload) -> Callable[..., Any]:

@@ -122,13 +122,18 @@ class _NoDerivative(torch.autograd.Function):
         )
 
 
+def written_arguments(op: torch._ops.OpOverload) -> list[int]:
+    """Positions of the arguments ``op``'s schema says it writes (``Tensor(a!)``)."""
+    return [i for i, a in enumerate(op._schema.arguments) if a.alias_info is not None and a.alias_info.is_write]
+
+
 def _autograd_kernel(op: torch._ops.OpOverload) -> Callable[..., Any]:
     """The ``Autograd`` kernel of ``op``: bump the mutated arguments' versions, then run the backend kernel
     below autograd. Without an ``Autograd`` kernel the dispatcher's fallback would run the PyTorch kernel
     with autograd on, so an output would silently carry the gradient of the CPU kernel's internals (and
     none on CUDA). Under ``torch.inference_mode()`` (how the models run) the dispatcher skips this kernel.
     """
-    mutated = [i for i, a in enumerate(op._schema.arguments) if a.alias_info is not None and a.alias_info.is_write]
+    mutated = written_arguments(op)
     below = torch._C._after_autograd_keyset
     increment_version = torch.autograd.graph.increment_version
 

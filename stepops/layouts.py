@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from stepops.specs import check_fits_int64, check_int, is_int
+from stepops.specs import check_block_pages, check_fits_int64, check_int, is_int, is_integer_dtype
 
 # One [index_k | index_z] bf16 row: (proxy_dim 256 + pooling logits 256) * 2 bytes.
 ROW_BYTES = 1024
@@ -138,14 +138,9 @@ class CSATailRingLayout:
                 f"Step5 CSA tail ring cache block holds {kv_cache[0].numel()} elements, but the layout's "
                 f"{self.page_bytes}-byte page is {page_elements} bf16 elements"
             )
-        if not kv_cache[0].is_contiguous():
-            raise ValueError(
-                f"Step5 CSA tail ring cache must be contiguous within a block, got shape "
-                f"{tuple(kv_cache.shape)} with strides {kv_cache.stride()}"
-            )
+        check_block_pages("Step5 CSA tail ring cache", kv_cache, page_elements)
         num_blocks = kv_cache.shape[0]
-        # One block: no second ring to reach, so its stride (which size-1 views leave arbitrary) is unused,
-        # as the attention and conv-state binds treat it.
+        # One block: no second ring to reach, so its stride (which size-1 views leave arbitrary) is unused.
         block_stride = kv_cache.stride(0) if num_blocks > 1 else page_elements
         if block_stride % row_elements:
             raise ValueError(
@@ -153,11 +148,6 @@ class CSATailRingLayout:
                 f"{row_elements}-element rows"
             )
         rows_per_block = block_stride // row_elements
-        if rows_per_block < self.capacity:
-            raise ValueError(
-                f"Step5 CSA tail ring cache blocks overlap: block stride {block_stride} elements is less "
-                f"than one {page_elements}-element page"
-            )
         # Block b's ring is rows [b * rows_per_block, + capacity); the view ends at the last ring's end,
         # so it never reaches past the tensor the engine handed over.
         rows = kv_cache.as_strided(
@@ -208,7 +198,7 @@ class BoundCSATailRing:
         """
         for name, value in (("block", block), ("position", position)):
             if isinstance(value, torch.Tensor):
-                if value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool:
+                if not is_integer_dtype(value.dtype):
                     raise TypeError(f"{name} must be an integer tensor, got {value.dtype}")
             else:
                 check_int(name, value, 0)
@@ -419,19 +409,8 @@ class InklingConvStateLayout:
                 f"sconv SWA cache must have H = {self.local_num_kv_heads} and D = {self.head_size}, got shape "
                 f"{tuple(kv_cache.shape)}"
             )
-        if block_size < self.kernel_size:
-            raise ValueError(
-                f"sconv SWA cache block size {block_size} is smaller than the kernel size {self.kernel_size}"
-            )
-        if not kv_cache[0].is_contiguous():
-            raise ValueError(
-                f"sconv SWA cache must be contiguous within a block, got strides {kv_cache.stride()}"
-            )
-        if num_blocks > 1 and kv_cache.stride(0) < heads * block_size * head_size:
-            raise ValueError(
-                f"sconv SWA cache blocks overlap: block stride {kv_cache.stride(0)} is less than "
-                f"H * N * D = {heads * block_size * head_size}"
-            )
+        self._block_size(block_size)
+        check_block_pages("sconv SWA cache", kv_cache, heads * block_size * head_size)
         return BoundInklingConvState(kv_cache=kv_cache, block_size=block_size, num_blocks=num_blocks)
 
 

@@ -27,7 +27,28 @@ def is_int(value: object) -> bool:
     return isinstance(value, (int, torch.SymInt)) and not isinstance(value, (bool, enum.Enum))
 
 
+def is_integer_dtype(dtype: torch.dtype) -> bool:
+    """An integer tensor dtype: not floating point, complex or bool (True would read as id or size 1)."""
+    return not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
+
+
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+
+def check_block_pages(what: str, kv_cache: torch.Tensor, page_elements: int) -> None:
+    """``ValueError`` unless each block of ``kv_cache [num_blocks, ...]`` is one contiguous page and the
+    blocks do not overlap (``stride(0) >= page_elements``). With one block the stride reaches nothing (and
+    size-1 views leave it arbitrary), so it is not checked. The rule every cache bind shares."""
+    if not kv_cache[0].is_contiguous():
+        raise ValueError(
+            f"{what} must be contiguous within a block, got shape {tuple(kv_cache.shape)} with strides "
+            f"{kv_cache.stride()}"
+        )
+    if kv_cache.shape[0] > 1 and kv_cache.stride(0) < page_elements:
+        raise ValueError(
+            f"{what} blocks overlap: block stride {kv_cache.stride(0)} elements is less than one "
+            f"{page_elements}-element page"
+        )
 
 
 def check_fits_int64(name: str, value: object) -> None:

@@ -11,18 +11,15 @@ import pytest
 import torch
 from torch.testing._internal.optests import autograd_registration_check
 
+from stepops._library import written_arguments
 from stepops.testing import op_samples
 
 _SAMPLES = [s for s in op_samples() if "empty" not in s.name]
 
 
-def _written(op) -> list[int]:
-    return [i for i, a in enumerate(op._schema.arguments) if a.alias_info is not None and a.alias_info.is_write]
-
-
 def _with_grad(op, args):
     """Copies of ``args``; the floating-point inputs the op does not write require grad."""
-    written = _written(op)
+    written = written_arguments(op)
     return tuple(
         a.detach().clone().requires_grad_(a.is_floating_point() and i not in written) if isinstance(a, torch.Tensor)
         else a
@@ -37,7 +34,7 @@ def test_inputs_that_require_grad(sample):
     grad_args = _with_grad(op, args)
     assert any(isinstance(a, torch.Tensor) and a.requires_grad for a in grad_args)
     autograd_registration_check(op, _with_grad(op, args), kwargs)
-    versions = {i: grad_args[i]._version for i in _written(op) if i < len(grad_args) and grad_args[i] is not None}
+    versions = {i: grad_args[i]._version for i in written_arguments(op) if i < len(grad_args) and grad_args[i] is not None}
     out = op(*grad_args, **kwargs)
     for i, version in versions.items():
         assert grad_args[i]._version > version, f"{op}: argument {i} is written but its version did not change"

@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from stepops._library import registered_ops
+from stepops._library import registered_ops, written_arguments
 from stepops._meta.accepted import AcceptedSignatures
 from stepops._meta.written import check_own_elements
 
@@ -71,10 +71,6 @@ def test_views_whose_positions_share_an_element_are_refused(view, strides):
         check_own_elements("op", "cache", view(torch.zeros(4, 8)))
 
 
-def _written_positions(entry) -> list[int]:
-    return [i for i, a in enumerate(entry.overload._schema.arguments) if a.alias_info is not None and a.alias_info.is_write]
-
-
 @pytest.mark.parametrize("entry", _ENTRIES, ids=[e.name for e in _ENTRIES])
 def test_a_remembered_signature_with_a_written_tensor_expanded_runs_the_checks(entry, monkeypatch):
     """Each sample is accepted (and remembered); then the same call with one written tensor expand()ed over
@@ -85,7 +81,7 @@ def test_a_remembered_signature_with_a_written_tensor_expanded_runs_the_checks(e
     for sample in entry.samples(torch.device("cpu")):
         for _ in range(2):  # the second call matches the remembered signature
             entry.fake(*sample.args, **sample.kwargs)
-        for position in _written_positions(entry):
+        for position in written_arguments(entry.overload):
             written = sample.args[position] if position < len(sample.args) else None
             if written is None or written.numel() == 0 or max(written.shape) < 2:
                 continue  # errors: one element, nothing to share

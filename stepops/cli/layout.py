@@ -25,7 +25,7 @@ from stepops.layouts import (
     InklingStream,
     smallest_block_size,
 )
-from stepops.specs import INT64_MAX, AttentionSpec
+from stepops.specs import AttentionSpec, check_int
 
 _STEP5_BLOCK_SIZE = 64
 _ILLUSTRATIVE = "Defaults are illustrative numbers, not a published model configuration."
@@ -110,11 +110,11 @@ def _check_flags(args: argparse.Namespace, minimums: dict[str, int]) -> str | No
     arithmetic, so no line about block sizes follows a nonsense value."""
     for name, minimum in minimums.items():
         value = getattr(args, name)
-        flag = f"--{name.replace('_', '-')}"
-        if value is not None and value < minimum:
-            return f"{flag} must be >= {minimum}, got {value}"
-        if value is not None and value > INT64_MAX:
-            return f"{flag} must fit in int64 (at most {INT64_MAX}), got {value}"
+        if value is not None:
+            try:
+                check_int(f"--{name.replace('_', '-')}", value, minimum)
+            except ValueError as error:
+                return str(error)
     return None
 
 

@@ -54,7 +54,13 @@ from torch import nn
 from stepops.allocator import KVCaches, allocate_kv_caches
 from stepops.layouts import InklingConvStateLayout, InklingStream
 from stepops.models.dtypes import tensor_dtypes
-from stepops.models.metadata import InklingStepMetadata, StepBuffers, bound_size, build_inkling_metadata
+from stepops.models.metadata import (
+    InklingStepMetadata,
+    StepBuffers,
+    bound_size,
+    bound_sizes,
+    build_inkling_metadata,
+)
 from stepops.models.moe import small_step_max_tokens
 from stepops.models.paged_attention import paged_attention
 from stepops.models.tensor_parallel import (
@@ -586,19 +592,15 @@ class InklingModel(nn.Module):
         inside the step): here the same as :meth:`cache_tensors`. Mark these static before reduce-overhead."""
         return self.cache_tensors()
 
-    def _bound(self, what: str, sizes: dict[str, int]) -> list[int]:
-        """Each layer's bound block size (``sizes``: cache name -> size, 0 = unbound); ``ValueError`` naming
-        the unbound caches."""
-        unbound = [name for name, size in sizes.items() if size == 0]
-        if unbound:
-            raise ValueError(f"{what}: no cache bound for {', '.join(unbound)} (allocate the model's caches first)")
-        return list(sizes.values())
+    def _conv_block_sizes(self) -> list[int]:
+        """Each layer's bound conv-state block size ``N``."""
+        conv = {layer.conv_state.prefix: bound_size(layer.conv_state.kv_cache, 2) for layer in self.layers}
+        return bound_sizes("conv-state block size", conv)
 
     def _block_sizes(self) -> list[tuple[int, int]]:
         """Each layer's bound ``(attention N, conv-state N)``."""
         attn = {layer.attn.layer_name: bound_size(layer.attn.kv_cache, 1) for layer in self.layers}
-        conv = {layer.conv_state.prefix: bound_size(layer.conv_state.kv_cache, 2) for layer in self.layers}
-        return list(zip(self._bound("attention block size", attn), self._bound("conv-state block size", conv)))
+        return list(zip(bound_sizes("attention block size", attn), self._conv_block_sizes()))
 
     @property
     def attn_block_size(self) -> int:
@@ -612,8 +614,7 @@ class InklingModel(nn.Module):
     @property
     def conv_block_size(self) -> int:
         """The smallest bound conv-state block size ``N`` (as :attr:`attn_block_size`)."""
-        conv = {layer.conv_state.prefix: bound_size(layer.conv_state.kv_cache, 2) for layer in self.layers}
-        return min(self._bound("conv-state block size", conv))
+        return min(self._conv_block_sizes())
 
     def forward(self, hidden: torch.Tensor, buffers: StepBuffers) -> torch.Tensor:
         """The decoder stack on ``hidden [T, hidden]`` (the embedding's output) -> ``[T, hidden]``."""

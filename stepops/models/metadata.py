@@ -42,16 +42,22 @@ def bound_size(cache: torch.Tensor, dim: int) -> int:
     return cache.shape[dim] if cache.dim() == 4 else 0
 
 
+def bound_sizes(what: str, sizes: dict[str, int]) -> list[int]:
+    """The sizes of ``sizes`` (cache name -> size, ``0`` = no cache bound); ``ValueError`` naming the caches
+    that have none bound."""
+    unbound = [name for name, size in sizes.items() if size == 0]
+    if unbound:
+        raise ValueError(f"{what}: no cache bound for {', '.join(unbound)} (allocate the model's caches first)")
+    return list(sizes.values())
+
+
 def common_size(what: str, sizes: dict[str, int]) -> int:
     """The one ``what`` every layer in ``sizes`` (layer name -> size, ``0`` = no cache bound) shares.
 
     A step's metadata is built once for all layers from one set of block tables, so the layers must agree;
     ``ValueError`` naming the layers when one has no cache bound or when they differ.
     """
-    unbound = [name for name, size in sizes.items() if size == 0]
-    if unbound:
-        raise ValueError(f"{what}: no cache bound for {', '.join(unbound)} (allocate the model's caches first)")
-    if len(set(sizes.values())) > 1:
+    if len(set(bound_sizes(what, sizes))) > 1:
         found = ", ".join(f"{name}: {size}" for name, size in sizes.items())
         raise ValueError(f"{what} must be the same for every layer (one block table serves them all), got {found}")
     return next(iter(sizes.values()))

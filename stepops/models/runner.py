@@ -27,11 +27,12 @@ from dataclasses import dataclass
 
 import torch
 
+from stepops.layouts import REGION_SIZE
 from stepops.models.dtypes import check_built_dtypes
 from stepops.models.inkling import InklingModel
 from stepops.models.metadata import StepBuffers
 from stepops.models.step5 import Step5Model
-from stepops.specs import check_int, is_int
+from stepops.specs import check_int, is_int, is_integer_dtype
 
 EAGER, COMPILED, CUDA_GRAPH = "eager", "compiled", "cudagraph"
 HIDDEN, TOKENS = "hidden", "tokens"
@@ -60,18 +61,13 @@ def capture_sizes_for(max_tokens: int) -> tuple[int, ...]:
     return tuple(sizes) + (max(max_tokens, 2),)
 
 
-def _is_token_id_dtype(dtype: torch.dtype) -> bool:
-    """An integer dtype (bool is not one: True would be token 1)."""
-    return not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
-
-
 def _check_token_list(what: str, ids: Sequence[int]) -> None:
     """``TypeError`` unless ``ids`` are integers (floats and bools were truncated into token ids)."""
     ids = list(ids)
     dtype = torch.as_tensor(ids).dtype if ids else torch.int64
     if any(isinstance(i, bool) for i in ids):  # among ints, as_tensor makes True an int64 1
         dtype = torch.bool
-    if not _is_token_id_dtype(dtype):
+    if not is_integer_dtype(dtype):
         raise TypeError(f"{what}: token ids must be integers, got {dtype}")
 
 
@@ -182,7 +178,7 @@ class StepRunner:
         num_blocks = max_requests * -(-max_model_len // min(declared))
         summary_blocks = 1
         if isinstance(model, Step5Model):
-            summary_blocks = -(-(max_model_len // 8 + 1) // model.summary_block_size)
+            summary_blocks = -(-(max_model_len // REGION_SIZE + 1) // model.summary_block_size)
             model.allocate_caches(num_blocks, max_requests * summary_blocks, self.device)
             conv_blocks = 1
         else:
@@ -320,7 +316,7 @@ class StepRunner:
             if not inputs.dtype.is_floating_point:  # an int, bool or complex tensor was cast into bf16 silently
                 raise TypeError(f"request slot {s.slot}: hidden states must be floating point, got {inputs.dtype}")
             return
-        if inputs.dim() != 1 or not _is_token_id_dtype(inputs.dtype):
+        if inputs.dim() != 1 or not is_integer_dtype(inputs.dtype):
             raise ValueError(
                 f"request slot {s.slot}: inputs must be [n] integer token ids, got {inputs.dtype} {tuple(inputs.shape)}"
             )
@@ -384,7 +380,8 @@ class StepRunner:
         self._fed[slot] = length
 
     def step(self, batch: Sequence[ScheduledRequest]) -> list[torch.Tensor]:
-        """Run one step; return each scheduled request's outputs ``[n, hidden]`` (on the device)."""
+        """Run one step; return each scheduled request's outputs (on the device): ``[n, hidden]``, or
+        ``[n, vocab]`` logits when the runner takes token ids (``inputs="tokens"``)."""
         with self._on_device():
             return self._step(batch)
 

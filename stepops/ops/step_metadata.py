@@ -14,7 +14,7 @@ from typing import NamedTuple
 import torch
 
 from stepops._meta.errors import check_arg_types
-from stepops.specs import check_int
+from stepops.specs import check_int, is_integer_dtype
 
 
 _INT32 = torch.iinfo(torch.int32)
@@ -65,7 +65,7 @@ def check_step_lengths(builder: str, query_start_loc: torch.Tensor, seq_lens: to
             f"and {tuple(seq_lens.shape)}"
         )
     for name, tensor in (("query_start_loc", query_start_loc), ("seq_lens", seq_lens)):
-        if tensor.dtype.is_floating_point or tensor.dtype.is_complex or tensor.dtype == torch.bool:
+        if not is_integer_dtype(tensor.dtype):
             raise TypeError(f"{builder}: {name} must be an integer tensor, got {tensor.dtype}")
     if query_start_loc.device.type != "cpu" or torch.compiler.is_compiling():
         return
@@ -157,7 +157,7 @@ def paged_slot_mapping(token: TokenMetadata, block_table: torch.Tensor, block_si
     return to_int32_ids(paged_slots(block_table, token.request, token.position, block_size))
 
 
-def reuse_token_metadata(builder: str, token: TokenMetadata, num_tokens: int) -> None:
+def check_token_metadata(builder: str, token: TokenMetadata, num_tokens: int) -> None:
     """``TypeError`` unless ``token`` is a :class:`TokenMetadata`, ``ValueError`` unless its tensors are int32
     ``[num_tokens]`` (what :func:`build_token_metadata` returns): an op builder's token metadata. A model step
     builds the token metadata once and derives every op's metadata from them."""

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from stepops.owners._context import BlockStridedBackend, register_layer
-from stepops.specs import AttentionSpec, FullAttentionSpec, SlidingWindowSpec
+from stepops.specs import AttentionSpec, FullAttentionSpec, SlidingWindowSpec, check_block_pages
 
 
 class PagedAttentionBackend(BlockStridedBackend):
@@ -90,15 +90,7 @@ class PagedAttentionLayer(nn.Module):
                 f"{self.layer_name}: kv_cache must be [num_blocks, N, {spec.num_kv_heads}, {width}] with "
                 f"num_blocks >= 1 and N a positive multiple of {spec.block_size}, got shape {tuple(kv_cache.shape)}"
             )
-        if not kv_cache[0].is_contiguous():
-            raise ValueError(
-                f"{self.layer_name}: kv_cache must be contiguous within a block, got strides {kv_cache.stride()}"
-            )
-        if kv_cache.shape[0] > 1 and kv_cache.stride(0) < kv_cache[0].numel():
-            raise ValueError(
-                f"{self.layer_name}: kv_cache blocks overlap: block stride {kv_cache.stride(0)} is less than "
-                f"one {kv_cache[0].numel()}-element page"
-            )
+        check_block_pages(f"{self.layer_name}: kv_cache", kv_cache, kv_cache[0].numel())
         self.kv_cache = kv_cache
 
     @property

@@ -20,6 +20,7 @@ from expecttest import TestCase
 from torch._dynamo.backends.common import aot_autograd
 from torch._dynamo.utils import counters
 
+from stepops._library import written_arguments
 from stepops.models import InklingConfig, InklingModel, Step5Config, Step5Model
 from stepops.models.runner import ScheduledRequest, StepRunner
 from stepops.testing.fake_cuda import getitem_through_the_dispatcher
@@ -266,13 +267,12 @@ def _written_graph_inputs(code: str) -> list[str]:
     schema's ``Tensor(a!)`` markings), unwrapping ``reinterpret_tensor(x, ...)`` to ``x``."""
     written = []
     for name, overload, arguments in re.findall(r"torch\.ops\.stepops\.(\w+)\.(\w+)\((.*)\)\s*$", code, re.M):
-        schema = getattr(getattr(torch.ops.stepops, name), overload)._schema
+        op = getattr(getattr(torch.ops.stepops, name), overload)
         args = _split_arguments(arguments)
-        for position, argument in enumerate(schema.arguments):
+        for position in written_arguments(op):
             # An optional written argument left out (the ops' errors counter) is passed as None or not at all.
-            if argument.alias_info is not None and argument.alias_info.is_write and position < len(args):
-                if args[position] not in ("None", f"{argument.name}=None"):
-                    written.append(re.sub(r"^reinterpret_tensor\((\w+),.*\)$", r"\1", args[position]))
+            if position < len(args) and args[position] not in ("None", f"{op._schema.arguments[position].name}=None"):
+                written.append(re.sub(r"^reinterpret_tensor\((\w+),.*\)$", r"\1", args[position]))
     return written
 
 

@@ -9,6 +9,7 @@ error in the ids it writes nothing outside its tensors and counts the bad token 
 import pytest
 import torch
 
+from stepops._library import written_arguments
 from stepops.ops.bounds import error_counter
 from stepops.testing import StorageSnapshot, copy_as_views, op_error_inputs, op_samples
 
@@ -71,8 +72,8 @@ def test_error_input_on_the_triton_kernel_without_a_counter_writes_only_its_cach
     counted without a counter added 1 to the stand-in pointer it was given instead: an input's id)."""
     sample = case.error.sample
     args = copy_as_views(sample.args, triton_device())
-    written = [bool(arg.alias_info and arg.alias_info.is_write) for arg in case.entry.overload._schema.arguments]
-    inputs = [a for a, is_written in zip(args, written) if isinstance(a, torch.Tensor) and not is_written]
+    written = written_arguments(case.entry.overload)
+    inputs = [a for i, a in enumerate(args) if isinstance(a, torch.Tensor) and i not in written]
     everything, read_only = StorageSnapshot([*args, *sample.kwargs.values()]), StorageSnapshot(inputs)
     case.entry.triton_kernel(*args, **sample.kwargs)
     assert everything.changed_outside_views() == 0

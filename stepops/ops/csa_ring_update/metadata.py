@@ -11,11 +11,11 @@ from stepops.ops.step_metadata import (
     TokenMetadata,
     build_token_metadata,
     check_same_device,
+    check_token_metadata,
     paged_slots,
-    reuse_token_metadata,
     to_int32_ids,
 )
-from stepops.specs import check_int
+from stepops.specs import check_int, is_integer_dtype
 
 
 class CSARingMetadata(NamedTuple):
@@ -75,14 +75,14 @@ def build_csa_ring_metadata(
             f"{tuple(summary_block_table.shape)}"
         )
     for name, tensor in (("ring_blocks", ring_blocks), ("summary_block_table", summary_block_table)):
-        if tensor.dtype.is_floating_point or tensor.dtype.is_complex or tensor.dtype == torch.bool:
+        if not is_integer_dtype(tensor.dtype):
             raise TypeError(f"{builder}: {name} must be an integer tensor (block ids), got {tensor.dtype}")
     check_int(f"{builder}: rows_per_block", rows_per_block, 1)
     check_int(f"{builder}: summary_block_size", summary_block_size, 1)
     if token is None:
         token = build_token_metadata(query_start_loc, seq_lens, num_tokens, builder=builder)
     else:
-        reuse_token_metadata(builder, token, num_tokens)
+        check_token_metadata(builder, token, num_tokens)
     if ring_blocks.device.type == "cpu" and not torch.compiler.is_compiling():
         # Free to check on CPU: a negative block would put a ring before the cache.
         has_tokens = query_start_loc[1:] > query_start_loc[:-1]

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from stepops._library import ErrorInput, SampleInput, guarded
-from stepops.layouts import BoundCSATailRing, CSATailRingLayout
+from stepops.layouts import REGION_SIZE, REPLAY_ROWS, BoundCSATailRing, CSATailRingLayout
 from stepops.ops.csa_ring_update.metadata import CSARingMetadata, build_csa_ring_metadata
 
 SUMMARY_BLOCK_SIZE = 4
@@ -26,7 +26,7 @@ def bind_ring(cache: torch.Tensor, capacity: int, row_elements: int) -> BoundCSA
     the rows past ``capacity`` stand for another cache's bytes)."""
     row_bytes = row_elements * torch.bfloat16.itemsize
     layout = CSATailRingLayout(
-        page_bytes=capacity * row_bytes, block_size=1, num_speculative_tokens=capacity - 7, row_bytes=row_bytes
+        page_bytes=capacity * row_bytes, block_size=1, num_speculative_tokens=capacity - REPLAY_ROWS, row_bytes=row_bytes
     )
     return layout.bind(cache[:, : capacity * row_elements])
 
@@ -82,7 +82,7 @@ def make_step(
     ring = bind_ring(cache, capacity, width).rows
     ring_blocks = torch.randperm(num_blocks, generator=generator)[:num_requests]
 
-    blocks_per_request = max(seq_lens) // 8 // SUMMARY_BLOCK_SIZE + 1
+    blocks_per_request = max(seq_lens) // REGION_SIZE // SUMMARY_BLOCK_SIZE + 1
     num_slots = num_requests * blocks_per_request * SUMMARY_BLOCK_SIZE
     summary_block_table = torch.randperm(num_requests * blocks_per_request, generator=generator)
     summary_block_table = summary_block_table.view(num_requests, blocks_per_request)

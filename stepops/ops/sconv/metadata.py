@@ -10,8 +10,8 @@ from stepops.ops.step_metadata import (
     TokenMetadata,
     build_token_metadata,
     check_same_device,
+    check_token_metadata,
     paged_slot_mapping,
-    reuse_token_metadata,
 )
 from stepops.specs import check_int
 
@@ -64,7 +64,7 @@ def build_sconv_metadata(
     if token is None:
         token = build_token_metadata(query_start_loc, seq_lens, num_tokens, builder="build_sconv_metadata")
     else:
-        reuse_token_metadata("build_sconv_metadata", token, num_tokens)
+        check_token_metadata("build_sconv_metadata", token, num_tokens)
     return SconvMetadata(
         token_request=token.request,
         token_chunk_start=token.chunk_start,
