@@ -34,7 +34,7 @@ LAUNCH_US = 2.0
 # - one global-memory round trip: HBM3/HBM3e latency on H100-class GPUs is 0.45-0.6 µs idle (pointer
 #   chasing, about 800-1000 cycles), more under load: 0.6 µs;
 MEMORY_LATENCY_US = 0.6
-# - the H200's HBM3e datasheet bandwidth (design brief, section 6).
+# - the H200's HBM3e datasheet bandwidth: 4.8 TB/s.
 BANDWIDTH_BYTES_PER_US = 4.8e12 / 1e6
 TARGET = "sm_90a"
 DECODE_REQUESTS = (64, 256)

@@ -1,4 +1,5 @@
-"""The optional ``errors`` counter every op takes (see ``stepops.ops.bounds``): its argument check."""
+"""The argument checks every op wrapper shares: the optional ``errors`` counter (see ``stepops.ops.bounds``)
+and the wrappers' argument types (:func:`check_arg_types`)."""
 
 from __future__ import annotations
 

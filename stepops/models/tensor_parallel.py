@@ -1,6 +1,6 @@
 """Tensor parallelism for the Inkling decoder layers over ``torch.distributed`` (imports no model).
 
-Inkling is sharded by whole KV heads (design brief section 3): rank ``r`` of ``tp`` holds query heads
+Inkling is sharded by whole KV heads (each head's conv-state chunk stays on one rank): rank ``r`` of ``tp`` holds query heads
 ``[r Hq/tp, (r+1) Hq/tp)``, KV heads ``[r Hkv/tp, (r+1) Hkv/tp)`` and hidden channels
 ``[r hidden/tp, (r+1) hidden/tp)`` of the attention-output and MLP-output streams. ``hidden/tp`` equals
 ``(Hkv/tp) * hidden_per_head``: exactly the conv-stream width of the rank's cache heads, so the conv-state

@@ -1,4 +1,4 @@
-"""Inkling's short-conv state owner and its dummy backend (seed ``002_812221d3a4993591.txt``), engine-neutral.
+"""Inkling's short-conv state owner and its dummy backend, engine-neutral.
 
 One :class:`InklingConvState` per decoder layer emits one sliding-window KV cache spec whose page packs
 the four conv streams per KV head (:class:`stepops.layouts.InklingConvStateLayout`), gets its HND cache
@@ -71,8 +71,8 @@ class InklingSconvBackend(BlockStridedBackend):
 class InklingConvState(nn.Module):
     """Per-decoder-layer owner emitting one sliding-window conv-state spec.
 
-    ``num_kv_heads`` is the per-rank head count ``H`` (``tp_size <= num_kv_heads`` keeps whole heads per
-    rank); ``head_size`` is the packed per-head width ``D`` (K + V + attention-output chunk + MLP-output
+    The constructor's ``num_kv_heads`` counts every rank's heads; the attribute ``num_kv_heads`` is this
+    rank's ``H`` (``tp_size <= num_kv_heads`` keeps whole heads per rank); ``head_size`` is the packed per-head width ``D`` (K + V + attention-output chunk + MLP-output
     chunk, rounded up to a power of two); ``stream_ranges`` the ``(offset, width)`` of each stream in
     :class:`InklingStream` order; ``sliding_window = block_size = kernel_size`` as declared (the bound
     cache's ``N`` may be larger: read it from ``kv_cache.shape[2]``). bf16 only. ``kv_cache`` is an empty

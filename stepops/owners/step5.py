@@ -1,4 +1,4 @@
-"""Step5's CSA tail ring as a layer-side cache owner (seed ``000_091e919e7e155012.txt``), engine-neutral.
+"""Step5's CSA tail ring as a layer-side cache owner, engine-neutral.
 
 The ring keeps the raw ``[index_k | index_z]`` rows of each request's open CSA region in one main KV page
 (:class:`stepops.layouts.CSATailRingLayout`): the owner emits the ring's KV cache spec from its main
@@ -130,7 +130,8 @@ class Step5CSATailRing(nn.Module):
         """One main page of ``capacity`` 1 KB rows, declared with the main layer's block size.
 
         Declaring the main block size keeps the ring from coarsening the hybrid prefix-cache alignment.
-        Raises the seed's ``ValueError`` when the page is not whole rows or holds fewer than ``7 + k``.
+        Raises ``ValueError``: the seed's text when the page holds fewer than ``7 + k`` whole rows, the
+        layout's own when it is not whole rows.
         """
         main_spec = self._main_spec()
         layout = CSATailRingLayout(

@@ -22,7 +22,7 @@ def _paged_kv_write_kernel(
     value_ptr,  # [T, H, Dv]
     key_cache_ptr,  # [num_blocks, N, H, D], written
     value_cache_ptr,  # [num_blocks, N, H, Dv], written
-    slot_mapping_ptr,  # [T] int32, -1 for padding
+    slot_mapping_ptr,  # [T] int32 or int64, -1 for padding
     errors_ptr,  # [1] int32, or any pointer when HAS_ERRORS is off
     block_size,
     num_slots,

@@ -1,6 +1,6 @@
 """Sample inputs of ``stepops::sconv`` for opcheck, the tests and the benchmarks.
 
-All samples use one small Inkling layout (2 KV heads, head_dim 8, hidden 32, W = 4, so D = 64 with the
+Most samples use one small Inkling layout (2 KV heads, head_dim 8, hidden 32, W = 4, so D = 64 with the
 streams K [0, 8), V [8, 16), attention output [16, 32), MLP output [32, 48)) and cover: T = 1, ragged
 steps mixing prefill, decode and verify tokens, padding, block-boundary crossings, random block tables,
 an enlarged block size (N = 8W), all four streams, K and V in one call (as the models run them), residual

@@ -38,7 +38,8 @@ from stepops.ops.triton_rounding import round_fp32_to_bf16
 # bf16, plus the weights) stay in registers.
 _MAX_BLOCK_W = 1024
 # bf16 channels per thread: 8 is one 128-bit access. A program covers at least one warp's worth (32 x 8 =
-# 256 channels): a 128-wide stream takes two heads per program, so its accesses are 128-bit too. Warps =
+# 256 channels) when the call has that many: a 128-wide stream takes two heads per program, so its accesses
+# are 128-bit too. Warps =
 # channels per program // 256, at most four.
 _CHANNELS_PER_THREAD = 8
 _CHANNELS_PER_WARP = 32 * _CHANNELS_PER_THREAD
