@@ -367,6 +367,21 @@ def test_dense_oracle_ignores_non_finite_values_of_masked_keys(per_kv_head):
     assert torch.equal(got, want) and got[2].eq(0).all()
 
 
+def test_dense_oracle_per_kv_head_masks_reach_their_own_query_heads():
+    """``allowed [T, Hkv, S]``: KV head ``g``'s key set is its query heads' alone, as if attention ran on that
+    group with the ``[T, S]`` mask (KV head g's query heads are 2g and 2g + 1 here)."""
+    gen = torch.Generator().manual_seed(0)
+    query, key, value = (torch.randn(s, generator=gen) for s in ((3, 4, 8), (3, 5, 2, 8), (3, 5, 2, 6)))
+    allowed = torch.rand(3, 2, 5, generator=gen) < 0.5
+    allowed[..., 0] = True
+    assert not torch.equal(allowed[:, 0], allowed[:, 1])
+    got = masked_attention(query, key, value, allowed, 0.3)
+    for g in range(2):
+        heads = slice(2 * g, 2 * g + 2)
+        want = masked_attention(query[:, heads], key[:, :, g : g + 1], value[:, :, g : g + 1], allowed[:, g], 0.3)
+        torch.testing.assert_close(got[:, heads], want, atol=0, rtol=0)
+
+
 def test_csa_region_scorer_never_scores_an_unallocated_summary_block():
     """Regions whose summary block is -1, or past the table's columns, score -inf (they read block 0, another
     request's summaries); the allocated ones score as before."""

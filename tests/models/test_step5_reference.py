@@ -11,6 +11,7 @@ from stepops.models.step5_weights import load_step5_state_dict
 from stepops.testing import TOLERANCES
 from stepops.testing.recompute import compare_with_recompute
 from stepops.testing.step5_checkpoint import random_step5_checkpoint
+from stepops.testing import step5_reference as reference
 from stepops.testing.step5_reference import region_selection
 
 
@@ -30,6 +31,46 @@ def test_near_ties_are_the_close_kth_and_next_scores_of_any_group():
     # Token 17: group 0 takes region 0, group 1 region 1, each with its own region 2.
     assert allowed[0, 17].view(3, 8).any(1).tolist() == [True, False, True]
     assert allowed[1, 17].view(3, 8).any(1).tolist() == [False, True, True]
+
+
+def test_near_ties_at_top_k_2_are_between_the_second_and_third_scores():
+    """With top_k = 2 the choice at stake is the 2nd against the 3rd ranked region: a close 1st and 2nd is
+    no near tie (both are chosen either way). Tokens 24..31 have three earlier regions, the others two or fewer
+    (no choice)."""
+    scores = torch.zeros(32, 1, 4)
+    scores[24, 0, :3] = torch.tensor([1.00, 0.99, 0.10])  # 2nd - 3rd = 0.89: clear
+    scores[25, 0, :3] = torch.tensor([1.00, 0.50, 0.49])  # 2nd - 3rd = 0.01 <= 2**-5 * 1.0
+    _, near = region_selection(scores, top_k=2, margin=2**-5)
+    assert near.nonzero().flatten().tolist() == [25, 26, 27, 28, 29, 30, 31]  # 26..31: exact ties (all 0)
+
+
+def test_a_near_tie_before_the_last_layer_marks_the_rest_of_its_request(monkeypatch):
+    """A near-tie choice in a layer before the last changes that row's keys and values there, which every
+    later row of the request reads: the recompute marks them all; in the last layer only the row itself."""
+    choose = reference.region_selection
+
+    def near_tie_at_row_30(scores, top_k, margin):
+        allowed, near = choose(scores, top_k, margin)
+        return allowed, torch.arange(near.shape[0]) == 30
+
+    monkeypatch.setattr(reference, "region_selection", near_tie_at_row_30)
+    x = torch.randn(40, Step5Config().hidden_size, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    for layer_types, marked in ((("csa", "sliding"), list(range(30, 40))), (("sliding", "csa"), [30])):
+        config = Step5Config(layer_types=layer_types, moe_layers=())
+        _, rows = reference.step5_recompute(config, random_step5_checkpoint(config, seed=0), x, near_tie_margin=2**-5)
+        assert rows.nonzero().flatten().tolist() == marked, layer_types
+
+
+def test_the_random_checkpoint_exercises_what_the_reference_rounds_and_adds():
+    """The values that let the oracle tests see a missed rounding or a dropped term: indexer head weights
+    fp32 and not bf16-exact (the layer rounds them to bf16), zero-centred norm weights that are not 0 (the
+    reference scales by w + 1), and an indexer key norm with a bias."""
+    checkpoint = random_step5_checkpoint(Step5Config(), seed=0)
+    w = checkpoint["layers.1.self_attn.sparse_indexer_w.weight"]
+    assert w.dtype == torch.float32 and not torch.equal(w, w.to(torch.bfloat16).float())
+    for name in ("layers.0.input_layernorm.weight", "layers.1.post_attention_layernorm.weight", "norm.weight",
+                 "layers.1.self_attn.sparse_indexer_k_norm.bias"):
+        assert checkpoint[name].abs().min() > 0 and checkpoint[name].std() > 0.05, name
 
 
 def test_tied_scores_select_the_lowest_region_ids(monkeypatch):
