@@ -144,8 +144,6 @@ def main(json_path: Path | None = None) -> int:
         extra = ["--json", str(Path(json_path).resolve())] if json_path else []  # the child runs in root
         return subprocess.run([sys.executable, "-m", "benchmarks", "static", *extra], env=env, cwd=root).returncode
 
-    # Silences Triton 3.9's notice that the default is unset; the launchers set fusion per kernel.
-    os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     from stepops.testing.gpu_build import KernelBuild, format_table
 
     result = report()

@@ -409,7 +409,7 @@ class InklingConvStateLayout:
                 f"sconv SWA cache must have H = {self.local_num_kv_heads} and D = {self.head_size}, got shape "
                 f"{tuple(kv_cache.shape)}"
             )
-        self._block_size(block_size)
+        self._block_size(block_size)  # its check: N >= kernel_size, as for cache_shape and page_bytes
         check_block_pages("sconv SWA cache", kv_cache, heads * block_size * head_size)
         return BoundInklingConvState(kv_cache=kv_cache, block_size=block_size, num_blocks=num_blocks)
 

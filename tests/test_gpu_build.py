@@ -39,8 +39,7 @@ MAX_ROUND_TRIPS = {"_csa_ring_update_kernel": 2, "_paged_kv_write_kernel": 3, "_
 
 
 def _run_without_interpreter(*args: str) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_DEFAULT_FP_FUSION"] = "1"  # silences Triton 3.9's notice; launchers set fusion per kernel
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "TRITON_DEFAULT_FP_FUSION")}
     return subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
 
 
@@ -72,6 +71,9 @@ class TestGpuBuild(TestCase):
     def test_every_kernel_builds_without_unexplained_spills(self):
         result, report = _static_report()
         self.assertEqual(result.returncode, 0, result.stderr[-4000:])
+        # Triton 3.9 warns when a launch leaves FP fusion to its default, which Triton 3.10 flips: every
+        # stepops launch states it.
+        self.assertNotIn("TRITON_DEFAULT_FP_FUSION is unset", result.stderr)
         builds = report["builds"]
         self.assertEqual({b["op"] for b in builds}, {e.name for e in registered_ops()})
         self.assertEqual({b["target"] for b in builds}, {"sm_90a", "sm_80"})

@@ -401,7 +401,8 @@ def test_fake_cuda_trace_has_no_graph_break(monkeypatch):
 
 @pytest.mark.skipif(
     tuple(int(p) for p in torch.__version__.split(".")[:2]) < (2, 13),
-    reason="torch 2.11's CPU Inductor ignores emulate_precision_casts (measured); the runner still passes it",
+    reason="CPU Inductor before torch 2.13 ignores emulate_precision_casts (measured on 2.11 and 2.12); the runner "
+    "still passes it",
 )
 def test_inductor_keeps_the_bf16_roundings_fp8_experts_round_to_e4m3_after():
     """An fp8 checkpoint's MoE compiled with the runner's Inductor options equals eager bitwise on both paths; with

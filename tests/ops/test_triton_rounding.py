@@ -35,7 +35,9 @@ def test_rounding_helpers_match_torch_casts():
     bf16 = torch.empty(x.shape, dtype=torch.bfloat16, device=device)
     fp8 = torch.empty(x.shape, dtype=torch.uint8, device=device)
     block = 4096
-    _encode_kernel[(triton.cdiv(x.numel(), block),)](x.to(device), bf16, fp8, x.numel(), BLOCK=block)
+    _encode_kernel[(triton.cdiv(x.numel(), block),)](
+        x.to(device), bf16, fp8, x.numel(), BLOCK=block, enable_fp_fusion=False
+    )
     # fp32 subnormals are excluded: the interpreter (numpy) flushes them; a region summary below 2**-126 is
     # a softmax-weighted mean of bf16 rows, which does not happen outside contrived inputs.
     normal = (x.abs() >= 2**-126) | (x == 0)

@@ -118,4 +118,7 @@ def paged_kv_write_triton(
         # Triton's default, stated: 128 threads x 8 bf16 (one 128-bit access each) cover a model-sized
         # [8, 128] head tile in one pass; a pure copy needs no more threads per token.
         num_warps=4,
+        # A bit copy has nothing to fuse; stated, as every stepops launch states it (Triton 3.9 warns when a
+        # launch leaves it to a default that Triton 3.10 changes).
+        enable_fp_fusion=False,
     )
