@@ -72,11 +72,11 @@ class InklingConvState(nn.Module):
     """Per-decoder-layer owner emitting one sliding-window conv-state spec.
 
     The constructor's ``num_kv_heads`` counts every rank's heads; the attribute ``num_kv_heads`` is this
-    rank's ``H`` (``tp_size <= num_kv_heads`` keeps whole heads per rank); ``head_size`` is the packed per-head width ``D`` (K + V + attention-output chunk + MLP-output
-    chunk, rounded up to a power of two); ``stream_ranges`` the ``(offset, width)`` of each stream in
-    :class:`InklingStream` order; ``sliding_window = block_size = kernel_size`` as declared (the bound
-    cache's ``N`` may be larger: read it from ``kv_cache.shape[2]``). bf16 only. ``kv_cache`` is an empty
-    placeholder until :meth:`bind_kv_cache`.
+    rank's ``H`` (``tp_size <= num_kv_heads`` keeps whole heads per rank); ``head_size`` is the packed
+    per-head width ``D`` (K + V + attention-output chunk + MLP-output chunk, rounded up to a power of two);
+    ``stream_ranges`` the ``(offset, width)`` of each stream in :class:`InklingStream` order;
+    ``sliding_window = block_size = kernel_size`` as declared (the bound cache's ``N`` may be larger: read it
+    from ``kv_cache.shape[2]``). bf16 only. ``kv_cache`` is an empty placeholder until :meth:`bind_kv_cache`.
     """
 
     def __init__(

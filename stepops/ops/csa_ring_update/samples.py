@@ -26,7 +26,8 @@ def bind_ring(cache: torch.Tensor, capacity: int, row_elements: int) -> BoundCSA
     the rows past ``capacity`` stand for another cache's bytes)."""
     row_bytes = row_elements * torch.bfloat16.itemsize
     layout = CSATailRingLayout(
-        page_bytes=capacity * row_bytes, block_size=1, num_speculative_tokens=capacity - REPLAY_ROWS, row_bytes=row_bytes
+        page_bytes=capacity * row_bytes, block_size=1, num_speculative_tokens=capacity - REPLAY_ROWS,
+        row_bytes=row_bytes,
     )
     return layout.bind(cache[:, : capacity * row_elements])
 
