@@ -100,9 +100,9 @@ def extras(settings: Settings, median_us: Callable[..., float]) -> dict[str, Any
     PyTorch kernel, where per-call cost is Python; the answer that matters is the CUDA one
     (``benchmarks/gpu_check.sh``).
     """
-    from stepops._library import registered_ops
+    from stepops._library import registered_op
 
-    op = next(e for e in registered_ops() if e.name == OP).overload
+    op = registered_op(OP).overload
     k_offset, k_width = LAYOUT.stream_range(InklingStream.K)
     v_offset, v_width = LAYOUT.stream_range(InklingStream.V)
     rows = []

@@ -45,7 +45,7 @@ from typing import Any
 import torch
 import torch.utils.benchmark as torch_benchmark
 
-from stepops._library import registered_ops, written_arguments
+from stepops._library import registered_op, written_arguments
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 PROVIDERS = ("stepops", "naive", "compiled")
@@ -219,16 +219,9 @@ def load_module(name: str):
     return importlib.import_module(f"benchmarks.bench_{name}")
 
 
-def _entry(name: str):
-    for entry in registered_ops():
-        if entry.name == name:
-            return entry
-    raise KeyError(f"no stepops op named {name!r}")
-
-
 def run_op(name: str, settings: Settings, copy_gbps: float, log: Callable[[str], None]) -> dict[str, Any]:
     module = load_module(name)
-    entry = _entry(module.OP)
+    entry = registered_op(module.OP)
     op = entry.overload
     tolerances = getattr(module, "TOLERANCES", {})
     # The compiled baseline breaks its graph at the kernel's one host read (its bounds check), as the

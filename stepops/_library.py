@@ -209,3 +209,10 @@ def declare_op(
 def registered_ops() -> tuple[OpEntry, ...]:
     """Every declared op, sorted by name."""
     return tuple(_REGISTRY[name] for name in sorted(_REGISTRY))
+
+
+def registered_op(name: str) -> OpEntry:
+    """The declared op ``name`` (``KeyError`` naming the declared ones otherwise)."""
+    if name not in _REGISTRY:
+        raise KeyError(f"no stepops op named {name!r}; declared: {', '.join(sorted(_REGISTRY))}")
+    return _REGISTRY[name]

@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from stepops._library import registered_op, registered_ops
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # benchmarks/ is a top-level folder of the checkout, not part of the package
 
@@ -23,8 +25,6 @@ OPS = ("csa_ring_update", "paged_kv_write", "sconv")
 
 
 def test_every_op_has_a_benchmark():
-    from stepops._library import registered_ops
-
     assert sorted(e.name for e in registered_ops()) == sorted(harness.OP_MODULES)
     for name in harness.OP_MODULES:
         assert (ROOT / "benchmarks" / f"bench_{name}.py").is_file()
@@ -89,7 +89,7 @@ def test_compiled_vs_naive_bar_applies_to_decode_at_256_requests_and_prefill():
 def test_no_op_twins_have_the_op_schema():
     """The twins are registered like the ops (same schema, same dispatch keys), only their kernels differ."""
     for op in OPS:
-        entry = harness._entry(op)
+        entry = registered_op(op)
         for how in ("register_op", "custom_op"):
             twin = harness.noop_twin(entry, how)
             assert str(twin._schema).split("::", 1)[1] == str(entry.overload._schema).split("::", 1)[1]
@@ -127,7 +127,7 @@ def test_floors_counted_by_hand():
 def test_a_wrong_baseline_is_refused(op):
     """The guard that keeps a wrong baseline out of the tables: a naive kernel that skips the last token."""
     module = harness.load_module(op)
-    entry = harness._entry(op)
+    entry = registered_op(op)
     case = decode(16)
     want = harness.state_after(entry.overload, entry.overload, module.build(case, torch.device("cpu")))
     assert harness.state_after(entry.overload, module.naive, module.build(case, torch.device("cpu"))).keys() == want.keys()

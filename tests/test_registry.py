@@ -4,10 +4,11 @@ reference, a wrapper documented in the common shape; schemas are snapshotted."""
 import importlib
 import inspect
 
+import pytest
 import torch
 from expecttest import TestCase
 
-from stepops._library import NAMESPACE, registered_ops
+from stepops._library import NAMESPACE, registered_op, registered_ops
 from stepops.testing import op_samples
 
 
@@ -18,6 +19,13 @@ def _namespace_op_names() -> set[str]:
 
 def test_every_namespace_op_is_declared_through_the_helper():
     assert _namespace_op_names() == {e.name for e in registered_ops()}
+
+
+def test_registered_op_finds_each_op_and_names_the_declared_ones_otherwise():
+    for entry in registered_ops():
+        assert registered_op(entry.name) is entry
+    with pytest.raises(KeyError, match="no stepops op named 'sconv_k'; declared: csa_ring_update, paged_kv_write"):
+        registered_op("sconv_k")
 
 
 def test_every_op_has_fake_kernels_and_samples():

@@ -12,7 +12,7 @@ import random
 import pytest
 import torch
 
-from stepops._library import guarded, registered_ops
+from stepops._library import guarded, registered_op, registered_ops
 from stepops.ops.bounds import error_counter
 from stepops.testing import StorageSnapshot, copy_as_views, op_samples
 
@@ -64,7 +64,7 @@ def test_both_kernels_write_only_their_tensors_and_agree_on_bad_ids(op_name):
     """The PyTorch kernel raises a ``ValueError`` naming the op with every byte unchanged, or runs; the
     Triton kernel never raises for ids and counts a bad token exactly when the PyTorch kernel raises.
     Neither writes a byte outside the tensors it was given."""
-    entry = next(e for e in registered_ops() if e.name == op_name)
+    entry = registered_op(op_name)
     device = triton_device()
     for where, make_args, kwargs in _fuzzed_calls(op_name, seed=1000 + _OPS.index(op_name)):
         args = make_args()
