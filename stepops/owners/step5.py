@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from stepops.layouts import REPLAY_ROWS, ROW_BYTES, CSATailRingLayout
+from stepops.layouts import REPLAY_ROWS, ROW_BYTES, CSATailRingLayout, check_ring_cache_blocks
 from stepops.ops.csa_ring_update import CSARingMetadata, build_csa_ring_metadata, csa_ring_update
 from stepops.owners._context import BlockStridedBackend, register_layer
 from stepops.specs import AttentionSpec, CircularBufferSpec, check_int
@@ -161,13 +161,7 @@ class Step5CSATailRing(nn.Module):
         that is not whole rows or overlaps pages, or a page that is not ``7 + k`` or more whole rows, is a
         ``ValueError`` naming the bound tensor (not the seed's block-size advice, which is for the spec).
         """
-        if not isinstance(kv_cache, torch.Tensor):
-            raise TypeError(f"kv_cache must be a torch.Tensor, got {type(kv_cache).__name__}")
-        if kv_cache.dim() < 2 or kv_cache.shape[0] == 0:
-            raise ValueError(
-                f"Step5 CSA tail ring cache must be [num_blocks, ...] with num_blocks >= 1, "
-                f"got shape {tuple(kv_cache.shape)}"
-            )
+        check_ring_cache_blocks(kv_cache)
         # The page was sized by get_kv_cache_spec (whose error suggests a larger --block-size); a bound block
         # that is not whole rows, or too few of them, means the tensor handed over is wrong, so say that.
         page_bytes = kv_cache[0].numel() * kv_cache.element_size()
