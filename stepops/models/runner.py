@@ -131,8 +131,8 @@ class StepRunner:
 
     ``mode``: ``"eager"``, ``"compiled"`` (``torch.compile(fullgraph=True)``; ``compile_backend`` picks the
     backend) or ``"cudagraph"`` (CUDA only: one ``torch.cuda.CUDAGraph`` per capture size, captured from
-    padding-only steps, which write nothing). Every cache block is handed out once, in a seeded random
-    order, so block tables are not the identity.
+    padding-only steps, which write nothing, all in one memory pool). Every cache block is handed out
+    once, in a seeded random order, so block tables are not the identity.
 
     ``inputs``: ``"hidden"`` steps feed hidden states ``[n, hidden]`` to ``model(hidden, buffers)`` and
     return its outputs; ``"tokens"`` steps feed token ids ``[n]`` to ``model.forward_tokens`` (embedding to
@@ -212,6 +212,8 @@ class StepRunner:
             hidden = model.config.hidden_size
             self.inputs = torch.zeros(self.capture_sizes[-1], hidden, dtype=torch.bfloat16, device=self.device)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # One memory pool for every captured graph (see _warm_up), not a private pool per capture size.
+        self._graph_pool = torch.cuda.graph_pool_handle() if mode == CUDA_GRAPH else None
         self._compiled: Callable[..., torch.Tensor] | None = None
         if mode == COMPILED:
             options = INDUCTOR_OPTIONS if compile_backend == "inductor" else None
@@ -470,7 +472,16 @@ class StepRunner:
             self._warm_up(progress)
 
     def _warm_up(self, progress: Callable[[str], None] | None) -> None:
-        for size in self.capture_sizes:
+        sizes = self.capture_sizes
+        if self.mode == CUDA_GRAPH:
+            # Largest first, into one shared pool: the largest step's intermediates size the pool and each
+            # smaller capture reuses the blocks they free, so the graphs together hold about one step's
+            # memory, not the sum over capture sizes. Safe because the runner replays one graph at a time
+            # on one stream and no graph reads what another wrote: each reads the inputs, the step buffers
+            # and the caches, all allocated outside the pool. A graph's output may share memory with another
+            # graph's intermediates, so it holds only until the next replay: step() clones it at once.
+            sizes = tuple(reversed(sizes))
+        for size in sizes:
             self._fill_buffers([])
             if self.mode == CUDA_GRAPH:
                 self._capture(size)
@@ -487,7 +498,7 @@ class StepRunner:
             self._forward(hidden, self.buffers)  # warm-up outside capture (allocator, Triton autotune-free JIT)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph), torch.inference_mode():
+        with torch.cuda.graph(graph, pool=self._graph_pool), torch.inference_mode():
             out = self._forward(hidden, self.buffers)
         self._graphs[size] = (graph, out)
 

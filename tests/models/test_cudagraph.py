@@ -18,7 +18,8 @@ _MODELS = [pytest.param(Step5Model, Step5Config(), id="step5"), pytest.param(Ink
 
 
 def _steps(hidden_size: int):
-    """A prefill of two requests, then three decode steps (two requests: T = 2 after padding)."""
+    """A prefill of two requests (T = 16 after padding), three decode steps (T = 2), then three tokens of
+    each (T = 8): the graphs, captured largest first into one pool, replay out of capture order."""
     gen = torch.Generator().manual_seed(0)
 
     def rows(n):
@@ -27,6 +28,7 @@ def _steps(hidden_size: int):
     yield [ScheduledRequest(0, 0, rows(11)), ScheduledRequest(1, 0, rows(5))]
     for i in range(3):
         yield [ScheduledRequest(0, 11 + i, rows(1)), ScheduledRequest(1, 5 + i, rows(1))]
+    yield [ScheduledRequest(0, 14, rows(3)), ScheduledRequest(1, 8, rows(3))]
 
 
 def _make(model_cls, config, mode):
@@ -41,6 +43,7 @@ def test_cuda_graph_replay_equals_eager(model_cls, config):
     eager_model, eager = _make(model_cls, config, EAGER)
     graph_model, graphed = _make(model_cls, config, CUDA_GRAPH)
     graphed.warm_up()  # captures every size from padding-only steps, which write nothing
+    assert len({graph.pool() for graph, _ in graphed._graphs.values()}) == 1  # one shared memory pool
     for batch in _steps(config.hidden_size):
         for a, b in zip(graphed.step(batch), eager.step(batch)):
             assert torch.equal(a, b)  # same kernels, same order: bitwise
