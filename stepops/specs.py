@@ -93,6 +93,13 @@ class AttentionSpec:
         check_int("head_size_v", self.head_size_v, 0)
         if not isinstance(self.dtype, torch.dtype):
             raise TypeError(f"dtype must be a torch.dtype, got {type(self.dtype).__name__}")
+        # A page past int64 cannot be allocated, and sizes derived from it (per token, block strides) would
+        # be nonsense: refuse it here, naming the fields it came from.
+        check_fits_int64(
+            f"page_size_bytes (block_size {self.block_size} x num_kv_heads {self.num_kv_heads} x (head_size "
+            f"{self.head_size} + head_size_v {self.head_size_v}) x {self.dtype.itemsize} B)",
+            self.page_size_bytes,
+        )
 
     @property
     def page_size_bytes(self) -> int:

@@ -42,6 +42,8 @@ def test_with_block_size_keeps_type_and_fields():
     assert type(bigger) is SlidingWindowSpec
     assert (bigger.block_size, bigger.sliding_window, bigger.head_size_v) == (32, 4, 0)
     assert bigger.page_size_bytes == 8 * swa.page_size_bytes
+    with pytest.raises(ValueError, match="does not fit in int64"):  # a page the unifier enlarged past int64
+        swa.with_block_size(2**61)
 
 
 def test_specs_are_frozen_and_keyword_only():
@@ -63,6 +65,9 @@ def test_specs_are_frozen_and_keyword_only():
         # An IntEnum member is an int too: InklingStream.V would be the size 1.
         (dict(block_size=InklingStream.V), TypeError, "block_size must be an int, got InklingStream"),
         (dict(dtype="bfloat16"), TypeError, "dtype must be a torch.dtype, got str"),
+        # Every field in int64, the page not: 16 x 2**58 x (64 + 64) x 2 B = 2**70.
+        (dict(num_kv_heads=2**58), ValueError, r"page_size_bytes \(block_size 16 x num_kv_heads 2\d+ x \(head_size 64 "
+         r"\+ head_size_v 64\) x 2 B\) = 1180591620717411303424 does not fit in int64"),
     ],
 )
 def test_bad_fields_are_rejected(kwargs, error, match):
