@@ -6,7 +6,9 @@ Expected numbers are worked out by hand in comments.
 """
 
 import argparse
+import os
 import re
+import signal
 import subprocess
 import sys
 
@@ -81,8 +83,10 @@ def test_step5_with_main_layer_heads(capsys):
     )
     out = capsys.readouterr().out
     assert status == 0
+    assert _row(out, "block size") == "16"
+    assert _row(out, "speculative tokens k") == "2"
     assert _row(out, "KV page") == "65536 B"
-    assert _row(out, "ring capacity").startswith("64 rows")
+    assert _row(out, "ring capacity") == "64 rows (position p -> row p % 64)"
     assert _row(out, "ring spec head_size").startswith("2048 ")  # 65536 / (16 * 2)
     assert _row(out, "required rows (7 + k)") == "9 of 1024 B"
     assert _row(out, "main attention layer") == "8 KV head(s) x (128 + 128) x 2 B = 4096 B per token"
@@ -132,6 +136,11 @@ def test_step5_no_block_size_fits(capsys):
     first, second = capsys.readouterr().err.splitlines()
     assert first == "Step5 CSA tail ring needs 10 rows of 1024 bytes in one 10000-byte KV page; increase --page-bytes."
     assert second == "smallest block size that fits at 625 B per token: none among multiples of 16 up to 4096"
+    # 10001 / 16 is no whole per-token size: the page's own error alone, no line from a floored 625 B.
+    assert main(["layout", "step5", "--page-bytes", "10001", "--block-size", "16"]) == 1
+    assert capsys.readouterr().err == (
+        "Step5 CSA tail ring needs 10 rows of 1024 bytes in one 10001-byte KV page; increase --page-bytes.\n"
+    )
 
 
 def test_inkling_tensor_parallel_and_enlarged_block(capsys):
@@ -171,10 +180,12 @@ def test_inkling_errors(capsys, args, message):
     assert captured.err.startswith(message)
 
 
-def test_unknown_command_is_a_usage_error(capsys):
+@pytest.mark.parametrize("argv", [["no-such-command"], []], ids=["unknown", "none"])
+def test_unknown_or_missing_command_is_a_usage_error(capsys, argv):
     with pytest.raises(SystemExit) as exit_:
-        main(["no-such-command"])
+        main(argv)
     assert exit_.value.code == 2
+    assert "usage: python -m stepops" in capsys.readouterr().err
 
 
 def test_step5_block_size_whose_page_is_partial_rows_names_the_cause(capsys):
@@ -218,9 +229,23 @@ def test_step5_page_bytes_too_small_names_page_bytes_and_prints_no_block_size_li
         (["step5", "--head-size-v", "-1"], "--head-size-v must be >= 0, got -1"),
         (["inkling", "--tp-size", "0"], "--tp-size must be >= 1, got 0"),
         (["inkling", "--block-size", "-4"], "--block-size must be >= 1, got -4"),
+        # Each size flag is checked as itself (the spec and the layout refuse 0 too, naming their fields).
+        (["step5", "--num-kv-heads", "0"], "--num-kv-heads must be >= 1, got 0"),
+        (["step5", "--head-size", "0"], "--head-size must be >= 1, got 0"),
+        (["inkling", "--num-kv-heads", "0"], "--num-kv-heads must be >= 1, got 0"),
+        (["inkling", "--head-dim", "0"], "--head-dim must be >= 1, got 0"),
+        (["inkling", "--hidden-size", "0"], "--hidden-size must be >= 1, got 0"),
+        (["inkling", "--kernel-size", "0"], "--kernel-size must be >= 1, got 0"),
         # Past int64: the message named no flag, and a block-size line from the overflowed page followed.
         (["step5", "--page-bytes", str(2**63)], f"--page-bytes = {2**63} does not fit in int64"),
         (["step5", "--block-size", "9" * 23], f"--block-size = {'9' * 23} does not fit in int64"),
+        # A page past int64 from the head numbers: the message named no input, and a block-size line from
+        # the overflowed page followed.
+        (
+            ["step5", "--num-kv-heads", str(2**62)],
+            f"page_size_bytes (block_size 64 x num_kv_heads {2**62} x (head_size 576 + head_size_v 0) x 2 B) = "
+            f"{64 * 2**62 * 576 * 2} does not fit in int64",
+        ),
         # Derived sizes past int64: exit 0 with a page the owner and the allocator then refused.
         (["inkling", "--head-dim", str(2**62)], f"sconv SWA cache head size D = {2**64} does not fit in int64"),
         (
@@ -335,3 +360,26 @@ def test_the_output_path_check_leaves_no_file_behind_and_no_byte_changed(tmp_pat
     check_writable_file("--json", new)
     check_writable_file("--json", existing)
     assert not new.exists() and existing.read_text() == "results"
+
+
+def test_the_output_path_check_refuses_a_fifo_without_a_reader_at_once(tmp_path):
+    """Opened for writing without a reader, a FIFO blocks until one comes: the demo would hang before any
+    work. The alarm turns a hang into a failure instead of a stuck test run; its exception must not be an
+    OSError (as TimeoutError is), which the check would turn into the very ValueError expected here."""
+    fifo = tmp_path / "out.json"
+    os.mkfifo(fifo)
+
+    class Hung(Exception):
+        pass
+
+    def hung(signum, frame):
+        raise Hung("check_writable_file blocked on a FIFO without a reader")
+
+    previous = signal.signal(signal.SIGALRM, hung)
+    signal.alarm(5)
+    try:
+        with pytest.raises(ValueError, match="not a writable file path"):
+            check_writable_file("--json", fifo)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
