@@ -85,6 +85,12 @@ class Settings:
     min_run_time: float = 0.2  # seconds per CPU measurement
     tiny: bool = False  # one smallest case per op: the smoke test's configuration
 
+    @property
+    def size(self) -> str:
+        """``tiny``, ``quick`` or ``full``: recorded in the report and naming its files, so that a smoke run
+        never overwrites the results of a real one."""
+        return "tiny" if self.tiny else "quick" if self.quick else "full"
+
 
 # --------------------------------------------------------------------------------------------------------
 # Timing
@@ -511,6 +517,7 @@ def machine(settings: Settings) -> dict[str, Any]:
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "quick": settings.quick,
+        "size": settings.size,
         "compile_backend": settings.compile_backend,
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
         # Other processes on a shared machine slow CPU figures down (and make OpenMP regions stall).
@@ -587,7 +594,7 @@ def write_csv(path: Path, results: Sequence[dict[str, Any]]) -> None:
                     ])
 
 
-def write_plots(directory: Path, results: Sequence[dict[str, Any]]) -> list[Path]:
+def write_plots(directory: Path, stem: str, results: Sequence[dict[str, Any]]) -> list[Path]:
     """One PNG per op: achieved bandwidth of each provider vs tokens per step. Needs matplotlib (optional)."""
     try:
         import matplotlib
@@ -609,7 +616,7 @@ def write_plots(directory: Path, results: Sequence[dict[str, Any]]) -> list[Path
         ax.set_ylabel("GB/s of the byte floor")
         ax.set_title(result["op"])
         ax.legend(fontsize=7)
-        path = directory / f"{result['op']}.png"
+        path = directory / f"{stem}-{result['op']}.png"
         fig.tight_layout()
         fig.savefig(path, dpi=100)
         plt.close(fig)
@@ -619,7 +626,8 @@ def write_plots(directory: Path, results: Sequence[dict[str, Any]]) -> list[Path
 
 def save(report: dict[str, Any], json_path: Path | None, log: Callable[[str], None]) -> None:
     RESULTS_DIR.mkdir(exist_ok=True)
-    stem = f"{report['machine']['device'].split(':')[0]}{'-quick' if report['machine']['quick'] else ''}"
+    size = report["machine"]["size"]
+    stem = report["machine"]["device"].split(":")[0] + ("" if size == "full" else f"-{size}")
     paths = [RESULTS_DIR / f"{stem}.json", RESULTS_DIR / f"{stem}.csv"]
     text = json.dumps(report, indent=1)
     paths[0].write_text(text)
@@ -627,5 +635,5 @@ def save(report: dict[str, Any], json_path: Path | None, log: Callable[[str], No
     if json_path is not None:
         json_path.write_text(text)
         paths.append(json_path)
-    paths += write_plots(RESULTS_DIR, report["ops"])
+    paths += write_plots(RESULTS_DIR, stem, report["ops"])
     log("wrote " + ", ".join(str(p) for p in paths))

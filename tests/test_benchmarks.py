@@ -71,6 +71,19 @@ def test_tiny_run_writes_every_op_with_floor_times_and_both_ratios(tmp_path):
         assert counts["step"]["aten_ops"] >= counts["token"]["aten_ops"] > 0
 
 
+@pytest.mark.parametrize(
+    "quick, tiny, stem", [(False, False, "cpu"), (True, False, "cpu-quick"), (True, True, "cpu-tiny")]
+)
+def test_each_run_size_writes_its_own_files(tmp_path, monkeypatch, quick, tiny, stem):
+    """A smoke run (``--tiny``, as the test above makes) wrote cpu-quick.json over a real quick run's."""
+    monkeypatch.setattr(harness, "RESULTS_DIR", tmp_path)
+    settings = harness.Settings(device=torch.device("cpu"), quick=quick, tiny=tiny)
+    report = {"machine": harness.machine(settings), "ops": []}
+    harness.save(report, None, lambda message: None)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"{stem}.csv", f"{stem}.json"]
+    assert json.loads((tmp_path / f"{stem}.json").read_text())["machine"]["size"] == settings.size
+
+
 def test_compiled_vs_naive_bar_applies_to_decode_at_256_requests_and_prefill():
     def row(name, kind, requests, speedup):
         return {"name": name, "kind": kind, "num_requests": requests, "compiled_speedup_vs_naive": speedup}
