@@ -123,8 +123,7 @@ def main(argv: list[str] | None = None) -> int:
         print(format_model_step(report["model_step"]), flush=True)
     report["wall_s"] = time.perf_counter() - started
     harness.save(report, args.json, _log)
-    failed = [f"{r['op']}/{c['name']}/{p}" for r in report["ops"] for c in r["cases"]
-              for p, ok in c["checked"].items() if ok is not True]
+    failed = harness.failed_checks(report)
     _log(f"done in {report['wall_s']:.0f} s" + (f"; baselines that failed their check: {failed}" if failed else ""))
     return 1 if failed else 0
 

@@ -269,13 +269,14 @@ def run_op(name: str, settings: Settings, copy_gbps: float, log: Callable[[str],
                 graph_notes["stepops"] = note
             for p in ("naive", "compiled"):
                 graph_times[p], graph_notes[p] = None, "not captured: host syncs (.tolist(), nonzero)"
+        bandwidth = {p: workload.floor_bytes / t / 1e3 if t else None for p, t in times.items()}
         row = {
             **asdict(case),
             "floor_bytes": workload.floor_bytes,
             "checked": checked,
             "time_us": times,
-            "bandwidth_gbps": {p: workload.floor_bytes / t / 1e3 if t else None for p, t in times.items()},
-            "pct_copy_bandwidth": 100 * workload.floor_bytes / times["stepops"] / 1e3 / copy_gbps,
+            "bandwidth_gbps": bandwidth,
+            "pct_copy_bandwidth": 100 * bandwidth["stepops"] / copy_gbps,
             "ratio_vs_stepops": {p: times[p] / times["stepops"] if times[p] else None for p in ("naive", "compiled")},
             "compiled_speedup_vs_naive": times["naive"] / times["compiled"] if times["naive"] and times["compiled"] else None,
         }
@@ -301,6 +302,12 @@ def compiled_vs_naive(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
                 if r["kind"] == "prefill" or (r["kind"] == "decode" and r["num_requests"] >= 256)}
     met = [s is not None and s >= COMPILED_SPEEDUP_BAR for s in speedups.values()]
     return {"bar": COMPILED_SPEEDUP_BAR, "speedups": speedups, "met": all(met) if met else None}
+
+
+def failed_checks(report: dict[str, Any]) -> list[str]:
+    """``op/case/provider`` of every baseline that failed its correctness check (and so was not timed)."""
+    return [f"{r['op']}/{c['name']}/{p}" for r in report["ops"] for c in r["cases"]
+            for p, ok in c["checked"].items() if ok is not True]
 
 
 def _written(op: torch._ops.OpOverload) -> list[str]:

@@ -71,6 +71,32 @@ def test_tiny_run_writes_every_op_with_floor_times_and_both_ratios(tmp_path):
         assert counts["step"]["aten_ops"] >= counts["token"]["aten_ops"] > 0
 
 
+def test_a_baseline_that_fails_its_check_is_reported_and_never_timed(monkeypatch):
+    """A wrong baseline's time would be a meaningless ratio: it is not timed, the row says why, and the run
+    exits 1 through ``failed_checks``. The op and the passing baseline are timed, and the derived figures
+    follow their formulas."""
+    module = harness.load_module("paged_kv_write")
+    monkeypatch.setattr(module, "naive", lambda *args: None)  # writes nothing: the cache check fails
+    settings = harness.Settings(device=torch.device("cpu"), quick=True, tiny=True, compile_backend="aot_eager",
+                                min_run_time=0.01)
+    copy_gbps = 10.0
+    result = harness.run_op("paged_kv_write", settings, copy_gbps, lambda message: None)
+    (case,) = result["cases"]
+    assert case["checked"]["compiled"] is True
+    assert "paged_kv_write/naive: key_cache differs from the stepops op" in case["checked"]["naive"]
+    times = case["time_us"]
+    assert times["naive"] is None and times["stepops"] > 0 and times["compiled"] > 0
+    assert case["bandwidth_gbps"] == {
+        "stepops": case["floor_bytes"] / times["stepops"] / 1e3, "naive": None,
+        "compiled": case["floor_bytes"] / times["compiled"] / 1e3,
+    }
+    assert case["pct_copy_bandwidth"] == 100 * case["bandwidth_gbps"]["stepops"] / copy_gbps
+    assert case["ratio_vs_stepops"] == {"naive": None, "compiled": times["compiled"] / times["stepops"]}
+    assert case["compiled_speedup_vs_naive"] is None
+    assert harness.failed_checks({"ops": [result]}) == [f"paged_kv_write/{case['name']}/naive"]
+    assert f"  {case['name']}  " in harness.format_op_table(result)
+
+
 @pytest.mark.parametrize(
     "quick, tiny, stem", [(False, False, "cpu"), (True, False, "cpu-quick"), (True, True, "cpu-tiny")]
 )
