@@ -1,6 +1,8 @@
 """``python -m benchmarks``: a bad option is an argparse error (exit 2, one line naming it) before any work,
 not a traceback from inside torch minutes later, and ``static`` refuses the options only ``run`` reads."""
 
+import os
+
 import pytest
 import torch
 
@@ -49,3 +51,29 @@ def test_help_names_every_default(capsys):
     assert "--json PATH" in text
     assert "torch.compile backend of the baselines (default: inductor)" in text
 
+
+
+def test_static_under_the_interpreter_reruns_itself_without_it_keeping_json_and_exit_code(
+    tmp_path, monkeypatch
+):
+    """Interpreted kernels cannot be compiled: ``static`` re-runs itself in a child without
+    TRITON_INTERPRET, from the repository root, so a relative --json path must reach it made absolute and
+    the child's exit status must be the run's."""
+    import subprocess
+
+    from benchmarks import static
+
+    calls = []
+
+    def child(command, env, cwd):
+        calls.append((command, env, cwd))
+        return subprocess.CompletedProcess(command, returncode=3)
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(static.subprocess, "run", child)
+    monkeypatch.chdir(tmp_path)
+    assert static.main("out.json") == 3
+    ((command, env, cwd),) = calls
+    assert command[1:] == ["-m", "benchmarks", "static", "--json", str((tmp_path / "out.json").resolve())]
+    assert "TRITON_INTERPRET" not in env and env["PATH"] == os.environ["PATH"]
+    assert cwd == static.BASELINE.parent.parent
