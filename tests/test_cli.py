@@ -348,6 +348,9 @@ def test_demo_cuda_index_past_the_gpus_is_a_value_error(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     with pytest.raises(ValueError, match=r"--device cuda:7: this machine has 1 GPUs \(cuda:0 onwards\)"):
         check_demo_args(device="cuda:7", backend="eager", tp=1, json_path=None)
+    with pytest.raises(ValueError, match=r"--device cuda:1: this machine has 1 GPUs"):  # the first index past
+        check_demo_args(device="cuda:1", backend="eager", tp=1, json_path=None)
+    assert check_demo_args(device="cuda:0", backend="eager", tp=1, json_path=None) == torch.device("cuda", 0)
     # The tensor-parallel ranks take cuda:0 .. cuda:tp-1: an index would be dropped.
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     with pytest.raises(ValueError, match="--tp 2 runs rank r on cuda:r; pass --device cuda or auto, not cuda:1"):

@@ -1,9 +1,15 @@
 """The demo's report: every field the README promises, from a short workload (aot_eager keeps it quick)."""
 
 import json
+import math
+import re
+
+import pytest
+from torch._dynamo.utils import counters
 
 import stepops.demo
 from stepops.cli import main
+from stepops.demo import checks_passed, merge_rank_rows
 from stepops.models.runner import Workload
 
 
@@ -28,22 +34,70 @@ def test_demo_reports_every_field(tmp_path, monkeypatch, capsys):
     assert "compiling step5" in out and "max |err| vs eager" in out and "all checks passed" in out
 
 
-def test_demo_fails_when_a_mode_leaves_the_eager_run(monkeypatch, capsys):
-    """A compiled run that differs from eager by more than the bound fails the demo (exit 1), as does one
-    with non-finite outputs: the check can fail."""
+@pytest.mark.parametrize("fault", ["off_when_compiled", "nan_in_every_mode"])
+def test_demo_fails_when_a_mode_leaves_the_eager_run(tmp_path, monkeypatch, capsys, fault):
+    """A compiled run that differs from eager by more than the bound fails the demo (exit 1, ``ok`` false,
+    ``NO`` in the table), as does a NaN output, even where the eager run has the same NaN: a NaN compares
+    unequal to everything, and a check built on ``diff > bound`` let it through."""
     monkeypatch.setattr(stepops.demo, "WORKLOAD", Workload(prompt_lens=(5,), decode_lens=(2,), token_budget=8))
     monkeypatch.setattr(stepops.demo, "_MODELS", tuple(m for m in stepops.demo._MODELS if m[0] == "inkling"))
     run_workload = stepops.demo.run_workload
 
-    def off_when_compiled(runner, workload, hidden_size):
+    def faulty(runner, workload, hidden_size):
         result = run_workload(runner, workload, hidden_size)
-        if runner.mode == "compiled":
+        if fault == "nan_in_every_mode":
+            result.outputs[0][-1, 0] = float("nan")
+        elif runner.mode == "compiled":
             result.outputs[0][-1, 0] += 0.5
+            counters["graph_break"]["injected"] += 2  # as Dynamo counts them: reported, and failing alone
+            counters["stats"]["unique_graphs"] += 3  # in test_checks_passed_fails_on_each_check_alone
         return result
 
-    monkeypatch.setattr(stepops.demo, "run_workload", off_when_compiled)
-    assert main(["demo", "--backend", "aot_eager", "--device", "cpu"]) == 1
-    assert "SOME CHECKS FAILED" in capsys.readouterr().out
+    monkeypatch.setattr(stepops.demo, "run_workload", faulty)
+    path = tmp_path / "demo.json"
+    assert main(["demo", "--backend", "aot_eager", "--device", "cpu", "--json", str(path)]) == 1
+    report = json.loads(path.read_text())
+    modes = report["models"]["inkling"]["modes"]
+    faulty_modes = {"eager", "compiled"} if fault == "nan_in_every_mode" else {"compiled"}
+    assert {mode for mode, row in modes.items() if not row["within_bound"]} == faulty_modes
+    assert all(modes[mode]["rows_off"] == 1 for mode in faulty_modes)
+    assert report["ok"] is False and report["models"]["inkling"]["within_bound"] is False
+    if fault == "off_when_compiled":
+        assert (modes["compiled"]["graph_breaks"], modes["compiled"]["recompiles"]) == (2, 3)
+    if fault == "nan_in_every_mode":
+        assert math.isnan(report["models"]["inkling"]["max_abs_err_vs_eager"])
+    out = capsys.readouterr().out
+    assert re.search(r"^inkling +compiled .* NO ", out, re.MULTILINE) and "SOME CHECKS FAILED" in out
+
+
+def test_checks_passed_fails_on_each_check_alone():
+    def model(**changes):
+        return {"graph_breaks": 0, "recompiles": 0, "within_bound": True, **changes}
+
+    generation = {"same_with_drafts": True}
+    assert checks_passed({"step5": model(), "inkling": model(generation=generation)})
+    for bad in (dict(graph_breaks=1), dict(recompiles=1), dict(within_bound=False),
+                dict(generation={"same_with_drafts": False})):
+        assert not checks_passed({"step5": model(), "inkling": model(**bad)}), bad
+
+
+def test_tensor_parallel_rows_are_the_worst_of_every_rank():
+    """Any rank's failure fails the merged row, whichever rank it is (not only rank 0's)."""
+    def row(err, off, bound, breaks, recompiles, seconds):
+        return {"max_abs_err_vs_eager": err, "rows_off": off, "within_bound": bound, "graph_breaks": breaks,
+                "recompiles": recompiles, "seconds": seconds}
+
+    ranks = [
+        {"eager": {"max_abs_err_vs_eager": 0.0, "rows_off": 0, "within_bound": True, "seconds": 1.0},
+         "compiled": row(0.25, 0, True, 0, 2, 2.0)},
+        {"eager": {"max_abs_err_vs_eager": 0.5, "rows_off": 3, "within_bound": False, "seconds": 9.0},
+         "compiled": row(0.125, 1, True, 4, 0, 8.0)},
+    ]
+    assert merge_rank_rows(ranks) == {
+        "eager": {"max_abs_err_vs_eager": 0.5, "rows_off": 3, "within_bound": False, "seconds": 1.0},
+        "compiled": row(0.25, 1, True, 4, 2, 2.0),
+    }
+    assert merge_rank_rows(ranks[::-1])["eager"]["within_bound"] is False
 
 
 def test_demo_tensor_parallel_reports_every_rank(tmp_path, monkeypatch, capsys):
