@@ -35,12 +35,14 @@ def test_tiny_run_writes_every_op_with_floor_times_and_both_ratios(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     # Another directory as cwd: the harness must run as `python path/to/benchmarks`.
     run = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks"), "--tiny", "--compile-backend", "aot_eager", "--json", str(out)],
+        [sys.executable, str(ROOT / "benchmarks"), "--tiny", "--compile-backend", "aot_eager", "--threads", "2",
+         "--json", str(out)],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
     )
     assert run.returncode == 0, run.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["copy_bandwidth_gbps"] > 0
+    assert report["machine"]["torch_threads"] == 2 and report["machine"]["size"] == "tiny"
     assert sorted(r["op"] for r in report["ops"]) == sorted(OPS)
     for result in report["ops"]:
         assert result["floor"]
@@ -95,6 +97,20 @@ def test_a_baseline_that_fails_its_check_is_reported_and_never_timed(monkeypatch
     assert case["compiled_speedup_vs_naive"] is None
     assert harness.failed_checks({"ops": [result]}) == [f"paged_kv_write/{case['name']}/naive"]
     assert f"  {case['name']}  " in harness.format_op_table(result)
+
+
+def test_csv_has_one_row_per_case_and_provider(tmp_path):
+    times = {"stepops": 2.0, "naive": None, "compiled": 8.0}
+    case = {"name": "decode_r1", "kind": "decode", "num_requests": 1, "num_tokens": 1, "floor_bytes": 4000,
+            "time_us": times, "bandwidth_gbps": {"stepops": 2.0, "naive": None, "compiled": 0.5},
+            "ratio_vs_stepops": {"naive": None, "compiled": 4.0}}
+    harness.write_csv(tmp_path / "out.csv", [{"op": "sconv", "cases": [case]}])
+    assert (tmp_path / "out.csv").read_text().splitlines() == [
+        "op,case,kind,requests,tokens,floor_bytes,provider,time_us,cudagraph_time_us,bandwidth_gbps,ratio_vs_stepops",
+        "sconv,decode_r1,decode,1,1,4000,stepops,2.000,-,2.0000,1",
+        "sconv,decode_r1,decode,1,1,4000,naive,-,-,-,-",
+        "sconv,decode_r1,decode,1,1,4000,compiled,8.000,-,0.5000,4.0000",
+    ]
 
 
 @pytest.mark.parametrize(
