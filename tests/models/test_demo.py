@@ -5,11 +5,12 @@ import math
 import re
 
 import pytest
+import torch
 from torch._dynamo.utils import counters
 
 import stepops.demo
 from stepops.cli import main
-from stepops.demo import checks_passed, merge_rank_rows
+from stepops.demo import checks_passed, merge_rank_rows, within_bound
 from stepops.models.runner import Workload
 
 
@@ -30,6 +31,11 @@ def test_demo_reports_every_field(tmp_path, monkeypatch, capsys):
         assert set(model["modes"]) == {"eager", "compiled"}
         assert model["steps"] > 0 and model["tokens"] > 0
         assert model["eager_seconds"] > 0 and model["compiled_seconds"] > 0
+        eager, compiled = model["modes"]["eager"], model["modes"]["compiled"]
+        assert (model["steps"], model["tokens"]) == (eager["steps"], eager["tokens"]) == (
+            compiled["steps"], compiled["tokens"])
+        assert (model["eager_seconds"], model["compiled_seconds"], model["compile_seconds"]) == (
+            eager["seconds"], compiled["seconds"], compiled["warm_up_seconds"])
     out = capsys.readouterr().out
     assert "compiling step5" in out and "max |err| vs eager" in out and "all checks passed" in out
 
@@ -79,6 +85,17 @@ def test_checks_passed_fails_on_each_check_alone():
     for bad in (dict(graph_breaks=1), dict(recompiles=1), dict(within_bound=False),
                 dict(generation={"same_with_drafts": False})):
         assert not checks_passed({"step5": model(), "inkling": model(**bad)}), bad
+
+
+def test_only_step5_may_have_rows_off_and_no_model_a_non_finite_output():
+    models = {}
+    for name, make in stepops.demo._MODELS:
+        with torch.device("meta"):  # only the model's kind matters
+            models[name] = make()
+    step5, inkling = models["step5"], models["inkling"]
+    assert within_bound(step5, 2, 26, True) and not within_bound(step5, 3, 26, True)  # 10% of 26 rows: 2.6
+    assert within_bound(inkling, 0, 26, True) and not within_bound(inkling, 1, 26, True)
+    assert not within_bound(step5, 0, 26, False) and not within_bound(inkling, 0, 26, False)
 
 
 def test_tensor_parallel_rows_are_the_worst_of_every_rank():
