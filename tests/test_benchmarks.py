@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # benchmarks/ is a top-level folder of the checkout, not part of the package
 
 from benchmarks import harness  # noqa: E402
-from benchmarks.steps import decode  # noqa: E402
+from benchmarks.steps import VERIFY_TOKENS, decode, prefill, standard_cases, verify  # noqa: E402
 
 OPS = ("csa_ring_update", "paged_kv_write", "sconv")
 
@@ -97,6 +97,27 @@ def test_a_baseline_that_fails_its_check_is_reported_and_never_timed(monkeypatch
     assert case["compiled_speedup_vs_naive"] is None
     assert harness.failed_checks({"ops": [result]}) == [f"paged_kv_write/{case['name']}/naive"]
     assert f"  {case['name']}  " in harness.format_op_table(result)
+
+
+def test_step_cases_close_a_region_and_cover_the_bars_cases():
+    """Request 0 closes a Step5 region in every decode and verify step (position 1023 is the last of its 8),
+    the other priors are seeded in [16, 1024], and both run sizes hold the cases the 3x bar applies to."""
+    step = decode(256)
+    assert (step.name, step.kind, step.num_requests, step.num_tokens) == ("decode_r256", "decode", 256, 256)
+    assert step.params["prior_lens"][0] == 1023 and step.params["new_lens"] == [1] * 256
+    assert all(16 <= p <= 1024 for p in step.params["prior_lens"]) and step == decode(256)
+    step = verify(16)
+    assert (step.name, step.num_tokens, step.params["prior_lens"][0]) == ("verify_k3_r16", 64, 1020)
+    assert (1020 + VERIFY_TOKENS) % 8 == 0  # positions 1020..1023: the step's last token closes the region
+    step = prefill(4, 512, prior=512)
+    assert (step.name, step.num_tokens, step.params["prior_lens"]) == ("prefill_4x512_cont", 2048, [512] * 4)
+    for quick in (True, False):
+        cases = standard_cases(quick)
+        assert cases[0] == decode(1)  # the smallest first: the host-cost case
+        rows = [dict(name=c.name, kind=c.kind, num_requests=c.num_requests, compiled_speedup_vs_naive=1.0)
+                for c in cases]
+        speedups = harness.compiled_vs_naive(rows)["speedups"]
+        assert "decode_r256" in speedups and any(name.startswith("prefill") for name in speedups)
 
 
 def test_csv_has_one_row_per_case_and_provider(tmp_path):
