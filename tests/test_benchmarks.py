@@ -120,12 +120,46 @@ def test_step_cases_close_a_region_and_cover_the_bars_cases():
         assert "decode_r256" in speedups and any(name.startswith("prefill") for name in speedups)
 
 
-def test_csv_has_one_row_per_case_and_provider(tmp_path):
+def _one_case_result() -> dict:
+    """An op's result as run_op makes it: one case, 4000 floor bytes, the naive baseline failed its check."""
     times = {"stepops": 2.0, "naive": None, "compiled": 8.0}
     case = {"name": "decode_r1", "kind": "decode", "num_requests": 1, "num_tokens": 1, "floor_bytes": 4000,
             "time_us": times, "bandwidth_gbps": {"stepops": 2.0, "naive": None, "compiled": 0.5},
-            "ratio_vs_stepops": {"naive": None, "compiled": 4.0}}
-    harness.write_csv(tmp_path / "out.csv", [{"op": "sconv", "cases": [case]}])
+            "pct_copy_bandwidth": 20.0, "ratio_vs_stepops": {"naive": None, "compiled": 4.0},
+            "compiled_speedup_vs_naive": None}
+    host = {"case": "decode_r1", "op_us": 30.0, "kernel_function_us": 12.0, "dispatch_overhead_us": 18.0,
+            "host_path_us": 15.0, "twin_us": 10.0, "host_path_vs_twin": 1.5}
+    return {"op": "sconv", "floor": "x + y", "cases": [case], "host_cost_us": host,
+            "compiled_vs_naive": {"bar": 3.0, "speedups": {}, "met": None}}
+
+
+def test_op_table_shows_each_figure_in_its_unit():
+    assert harness.format_op_table(_one_case_result()).splitlines() == [
+        "sconv  (floor: x + y)",
+        "       case  R  T  floor KiB  stepops us  naive us  compiled us  GB/s  % copy  naive/stepops  "
+        "compiled/stepops  naive/compiled",
+        "  decode_r1  1  1        3.9         2.0         -          8.0  2.00    20.0              -  "
+        "            4.00               -",
+        "  compiled vs naive (bar: >= 3x at decode R >= 256 and prefill): -: no such case in this run",
+        "  host cost (decode_r1): eager call 30.0 us, kernel function 12.0 us, dispatch 18.0 us; host path "
+        "15.0 us = 1.50x its no-op twin (10.0 us)",
+    ]
+
+
+def test_static_estimate_header_states_its_constants_in_their_units():
+    from benchmarks import static
+
+    result = {"constants": {"launch_us": static.LAUNCH_US, "memory_latency_us": static.MEMORY_LATENCY_US,
+                            "bandwidth_bytes_per_us": static.BANDWIDTH_BYTES_PER_US, "target": static.TARGET},
+              "estimates": [], "before": []}
+    assert static.format_estimates(result).splitlines()[0] == (
+        "Estimated time of one decode launch on sm_90a (H200): 2.0 µs launch + round trips x 0.6 µs + floor "
+        "bytes / 4.8 TB/s"
+    )
+
+
+def test_csv_has_one_row_per_case_and_provider(tmp_path):
+    harness.write_csv(tmp_path / "out.csv", [_one_case_result()])
     assert (tmp_path / "out.csv").read_text().splitlines() == [
         "op,case,kind,requests,tokens,floor_bytes,provider,time_us,cudagraph_time_us,bandwidth_gbps,ratio_vs_stepops",
         "sconv,decode_r1,decode,1,1,4000,stepops,2.000,-,2.0000,1",
