@@ -52,6 +52,8 @@ def test_tiny_run_writes_every_op_with_floor_times_and_both_ratios(tmp_path):
         # None where torch cannot call a custom_op whose trailing mutable optional is left out (torch 2.11).
         assert host["custom_op_twin_us"] is None or host["custom_op_twin_us"] > 0
         assert host["host_path_vs_twin"] == host["host_path_us"] / host["twin_us"]
+        assert host["dispatch_overhead_us"] == host["op_us"] - host["kernel_function_us"]
+        assert host["case"] == result["cases"][0]["name"]
         assert host["met"] == (host["host_path_vs_twin"] <= host["bar"]) and host["bar"] == 1.5
         assert result["cases"]
         for case in result["cases"]:
