@@ -30,7 +30,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from functools import partial
 
 import torch
@@ -176,7 +176,13 @@ def _compare(outputs: list[torch.Tensor], eager: list[torch.Tensor]) -> tuple[fl
         if diff.numel():
             maxima.append(float(diff.max()))
         rows_off += int((~(diff <= MODE_VS_EAGER_ATOL + MODE_VS_EAGER_RTOL * want.float().abs())).any(-1).sum())
-    return float(torch.tensor(maxima).max()), rows_off  # torch's max, unlike Python's, keeps a NaN
+    return largest(maxima), rows_off
+
+
+def largest(values: Iterable[float]) -> float:
+    """The largest of ``values``, NaN if any is NaN: Python's ``max`` keeps or drops a NaN by its position."""
+    values = list(values)
+    return math.nan if any(math.isnan(v) for v in values) else max(values)
 
 
 def _run_modes(name, make, modes, device, backend, workload, shard=None) -> dict[str, dict]:
@@ -257,7 +263,7 @@ def merge_rank_rows(ranks: list[dict[str, dict]]) -> dict[str, dict]:
     for mode, row in rows.items():
         for key in ("max_abs_err_vs_eager", "rows_off", "graph_breaks", "recompiles"):
             if key in row:
-                row[key] = max(rank[mode][key] for rank in ranks)
+                row[key] = largest(rank[mode][key] for rank in ranks)
         row["within_bound"] = all(rank[mode]["within_bound"] for rank in ranks)
     return rows
 
@@ -303,7 +309,8 @@ def check_demo_args(*, device: str, backend: str, tp: int, json_path: str | None
 
 
 def run_demo(*, json_path: str | None = None, device: str = "auto", backend: str = "inductor", tp: int = 1) -> int:
-    """Run the demo; print the table; write ``json_path``; return 0 when every check passed, else 1.
+    """Run the demo; print the table; write ``json_path`` (strict JSON: a NaN error is the text ``"nan"``);
+    return 0 when every check passed, else 1.
 
     ``tp > 1`` runs the Inkling stack on ``tp`` spawned ranks (eager and compiled; no CUDA-graph mode).
     Arguments are checked first (:func:`check_demo_args`, ``ValueError`` or ``TypeError``).
@@ -329,7 +336,7 @@ def run_demo(*, json_path: str | None = None, device: str = "auto", backend: str
         report[name] = {
             "graph_breaks": compiled["graph_breaks"],
             "recompiles": compiled["recompiles"],
-            "max_abs_err_vs_eager": max(r["max_abs_err_vs_eager"] for r in rows.values()),
+            "max_abs_err_vs_eager": largest(r["max_abs_err_vs_eager"] for r in rows.values()),
             "steps": rows[EAGER]["steps"],
             "tokens": rows[EAGER]["tokens"],
             "eager_seconds": rows[EAGER]["seconds"],
@@ -348,11 +355,24 @@ def run_demo(*, json_path: str | None = None, device: str = "auto", backend: str
     if json_path:
         with open(json_path, "w") as f:
             bound = {"atol": MODE_VS_EAGER_ATOL, "rtol": MODE_VS_EAGER_RTOL}
-            json.dump({"device": str(dev), "backend": backend, "tp": tp, "bound_vs_eager": bound,
-                       "models": report, "ok": ok}, f, indent=2)
+            document = {"device": str(dev), "backend": backend, "tp": tp, "bound_vs_eager": bound,
+                        "models": report, "ok": ok}
+            json.dump(_strict_json(document), f, indent=2, allow_nan=False)
         _say(f"wrote {json_path}")
     _say("all checks passed" if ok else "SOME CHECKS FAILED")
     return 0 if ok else 1
+
+
+def _strict_json(value):
+    """``value`` with every non-finite float as its text (``"nan"``, ``"inf"``): the error of a NaN output
+    must not make the report a file that strict JSON parsers refuse (Python writes a bare ``NaN``)."""
+    if isinstance(value, dict):
+        return {key: _strict_json(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [_strict_json(item) for item in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    return value
 
 
 def checks_passed(report: dict[str, dict]) -> bool:

@@ -1,5 +1,6 @@
 """The demo's report: every field the README promises, from a short workload (aot_eager keeps it quick)."""
 
+import copy
 import json
 import math
 import re
@@ -10,7 +11,7 @@ from torch._dynamo.utils import counters
 
 import stepops.demo
 from stepops.cli import main
-from stepops.demo import checks_passed, merge_rank_rows, within_bound
+from stepops.demo import checks_passed, largest, merge_rank_rows, within_bound
 from stepops.models.runner import Workload
 
 
@@ -55,14 +56,16 @@ def test_demo_fails_when_a_mode_leaves_the_eager_run(tmp_path, monkeypatch, caps
             result.outputs[0][-1, 0] = float("nan")
         elif runner.mode == "compiled":
             result.outputs[0][-1, 0] += 0.5
-            counters["graph_break"]["injected"] += 2  # as Dynamo counts them: reported, and failing alone
-            counters["stats"]["unique_graphs"] += 3  # in test_checks_passed_fails_on_each_check_alone
+            # Counted as Dynamo counts them: they must reach the report (that each fails the demo alone is
+            # test_checks_passed_fails_on_each_check_alone).
+            counters["graph_break"]["injected"] += 2
+            counters["stats"]["unique_graphs"] += 3
         return result
 
     monkeypatch.setattr(stepops.demo, "run_workload", faulty)
     path = tmp_path / "demo.json"
     assert main(["demo", "--backend", "aot_eager", "--device", "cpu", "--json", str(path)]) == 1
-    report = json.loads(path.read_text())
+    report = json.loads(path.read_text(), parse_constant=lambda name: pytest.fail(f"{name} is not strict JSON"))
     modes = report["models"]["inkling"]["modes"]
     faulty_modes = {"eager", "compiled"} if fault == "nan_in_every_mode" else {"compiled"}
     assert {mode for mode, row in modes.items() if not row["within_bound"]} == faulty_modes
@@ -71,7 +74,7 @@ def test_demo_fails_when_a_mode_leaves_the_eager_run(tmp_path, monkeypatch, caps
     if fault == "off_when_compiled":
         assert (modes["compiled"]["graph_breaks"], modes["compiled"]["recompiles"]) == (2, 3)
     if fault == "nan_in_every_mode":
-        assert math.isnan(report["models"]["inkling"]["max_abs_err_vs_eager"])
+        assert report["models"]["inkling"]["max_abs_err_vs_eager"] == "nan"
     out = capsys.readouterr().out
     assert re.search(r"^inkling +compiled .* NO ", out, re.MULTILINE) and "SOME CHECKS FAILED" in out
 
@@ -110,11 +113,21 @@ def test_tensor_parallel_rows_are_the_worst_of_every_rank():
         {"eager": {"max_abs_err_vs_eager": 0.5, "rows_off": 3, "within_bound": False, "seconds": 9.0},
          "compiled": row(0.125, 1, True, 4, 0, 8.0)},
     ]
+    before = copy.deepcopy(ranks)
     assert merge_rank_rows(ranks) == {
         "eager": {"max_abs_err_vs_eager": 0.5, "rows_off": 3, "within_bound": False, "seconds": 1.0},
         "compiled": row(0.25, 1, True, 4, 2, 2.0),
     }
     assert merge_rank_rows(ranks[::-1])["eager"]["within_bound"] is False
+    assert ranks == before  # the ranks' own rows are left as they were
+    ranks[1]["compiled"]["max_abs_err_vs_eager"] = math.nan  # a NaN on any rank, not only the first
+    assert math.isnan(merge_rank_rows(ranks)["compiled"]["max_abs_err_vs_eager"])
+
+
+def test_largest_keeps_a_nan_wherever_it_is():
+    assert largest([0.0, 0.5, 0.25]) == 0.5
+    for values in ([math.nan, 1.0], [1.0, math.nan], [0.0, 2.0, math.nan, 1.0]):
+        assert math.isnan(largest(values)), values
 
 
 def test_demo_tensor_parallel_reports_every_rank(tmp_path, monkeypatch, capsys):
