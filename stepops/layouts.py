@@ -43,18 +43,16 @@ BLOCK_SIZE_CANDIDATES: tuple[int, ...] = tuple(range(16, 4096 + 1, 16))
 # --------------------------------------------------------------------------------------------------------
 
 
-def check_ring_cache_blocks(kv_cache: torch.Tensor) -> None:
-    """``TypeError`` / ``ValueError`` unless ``kv_cache`` is a bf16 tensor ``[num_blocks, ...]`` with
-    ``num_blocks >= 1``: what a ring cache must be before its first page can be read."""
+def check_ring_cache_blocks(kv_cache: torch.Tensor, name: str = "Step5 CSA tail ring cache") -> None:
+    """``TypeError`` / ``ValueError`` naming ``name`` unless ``kv_cache`` is a bf16 tensor
+    ``[num_blocks, ...]`` with ``num_blocks >= 1``: what a ring cache must be before its first page can be
+    read."""
     if not isinstance(kv_cache, torch.Tensor):
-        raise TypeError(f"kv_cache must be a torch.Tensor, got {type(kv_cache).__name__}")
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(kv_cache).__name__}")
     if kv_cache.dtype != torch.bfloat16:
-        raise TypeError(f"Step5 CSA tail ring cache must be bfloat16, got {kv_cache.dtype}")
+        raise TypeError(f"{name} must be bfloat16, got {kv_cache.dtype}")
     if kv_cache.dim() < 2 or kv_cache.shape[0] == 0:
-        raise ValueError(
-            f"Step5 CSA tail ring cache must be [num_blocks, ...] with num_blocks >= 1, "
-            f"got shape {tuple(kv_cache.shape)}"
-        )
+        raise ValueError(f"{name} must be [num_blocks, ...] with num_blocks >= 1, got shape {tuple(kv_cache.shape)}")
 
 
 @dataclass(frozen=True)

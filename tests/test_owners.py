@@ -298,6 +298,13 @@ def test_ring_bind_rejects_bad_caches_with_value_errors():
     )
     with pytest.raises(ValueError, match=r"block of 19200 bytes \(shape \(32, 1, 300\), torch.bfloat16\) is not 9 "):
         ring.bind_kv_cache(torch.zeros(3, 32, 1, 300, dtype=torch.bfloat16))
+    # Refused before the page is sized from it: 16 x 512 fp16 elements would pass for 16 KiB of bf16 rows.
+    with pytest.raises(TypeError, match=r"^Step5 CSA tail ring layers.0.ring: kv_cache must be bfloat16, got torch.float16$"):
+        ring.bind_kv_cache(torch.zeros(3, 16, 1, 512, dtype=torch.float16))
+    with pytest.raises(ValueError, match=r"^Step5 CSA tail ring layers.0.ring: kv_cache must be \[num_blocks, ...\]"):
+        ring.bind_kv_cache(torch.zeros(0, 16, 1, 512, dtype=torch.bfloat16))
+    with pytest.raises(TypeError, match="^Step5 CSA tail ring layers.0.ring: kv_cache must be a torch.Tensor, got list$"):
+        ring.bind_kv_cache([0.0])
     with pytest.raises(TypeError, match="must be bfloat16"):
         ring.bind_kv_cache(torch.zeros(3, 16, 1, 256))
     with pytest.raises(TypeError, match="must be a torch.Tensor"):

@@ -161,7 +161,7 @@ class Step5CSATailRing(nn.Module):
         that is not whole rows or overlaps pages, or a page that is not ``7 + k`` or more whole rows, is a
         ``ValueError`` naming the bound tensor (not the seed's block-size advice, which is for the spec).
         """
-        check_ring_cache_blocks(kv_cache)
+        check_ring_cache_blocks(kv_cache, f"Step5 CSA tail ring {self.layer_name}: kv_cache")
         # The page was sized by get_kv_cache_spec (whose error suggests a larger --block-size); a bound block
         # that is not whole rows, or too few of them, means the tensor handed over is wrong, so say that.
         page_bytes = kv_cache[0].numel() * kv_cache.element_size()
