@@ -2,6 +2,7 @@
 not a traceback from inside torch minutes later, and ``static`` refuses the options only ``run`` reads."""
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -52,7 +53,6 @@ def test_help_names_every_default(capsys):
     assert "torch.compile backend of the baselines (default: inductor)" in text
 
 
-
 def test_static_under_the_interpreter_reruns_itself_without_it_keeping_json_and_exit_code(
     tmp_path, monkeypatch
 ):
@@ -76,4 +76,4 @@ def test_static_under_the_interpreter_reruns_itself_without_it_keeping_json_and_
     ((command, env, cwd),) = calls
     assert command[1:] == ["-m", "benchmarks", "static", "--json", str((tmp_path / "out.json").resolve())]
     assert "TRITON_INTERPRET" not in env and env["PATH"] == os.environ["PATH"]
-    assert cwd == static.BASELINE.parent.parent
+    assert Path(cwd).resolve() == Path(static.__file__).resolve().parent.parent  # the repository root

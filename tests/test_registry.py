@@ -24,8 +24,11 @@ def test_every_namespace_op_is_declared_through_the_helper():
 def test_registered_op_finds_each_op_and_names_the_declared_ones_otherwise():
     for entry in registered_ops():
         assert registered_op(entry.name) is entry
-    with pytest.raises(KeyError, match="no stepops op named 'sconv_k'; declared: csa_ring_update, paged_kv_write"):
+    declared = ", ".join(sorted(entry.name for entry in registered_ops()))
+    assert "sconv" in declared
+    with pytest.raises(KeyError) as info:
         registered_op("sconv_k")
+    assert info.value.args == (f"no stepops op named 'sconv_k'; declared: {declared}",)
 
 
 def test_every_op_has_fake_kernels_and_samples():
