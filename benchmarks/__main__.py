@@ -1,11 +1,12 @@
 """``python -m benchmarks``: every stepops op (and decoder layer step) against its byte floor and baselines.
 
-    python -m benchmarks [--quick] [--json PATH] [--ops NAME ...] [--layers | --no-layers]
-                         [--attention | --no-attention]
+    python -m benchmarks [--quick] [--tiny] [--json PATH] [--results-dir DIR] [--ops NAME ...]
+                         [--layers | --no-layers] [--attention | --no-attention]
     python -m benchmarks static [--json PATH]  # GPU-build table + estimated decode launch time vs the byte floor
 
 Run from the repository root, or from anywhere as ``python path/to/benchmarks ...``. Results go to
-``benchmarks/results/`` (JSON, CSV, and PNG plots when matplotlib is installed). See docs/performance.md.
+``benchmarks/results/`` or ``--results-dir`` (JSON, CSV, and PNG plots when matplotlib is installed). See
+docs/performance.md.
 """
 
 from __future__ import annotations
@@ -21,7 +22,12 @@ if __package__ in (None, ""):
 import argparse  # noqa: E402
 import time  # noqa: E402
 
-from benchmarks.cli_args import add_device_arguments, check_device_argument, check_json_argument  # noqa: E402
+from benchmarks.cli_args import (  # noqa: E402
+    add_device_arguments,
+    check_device_argument,
+    check_json_argument,
+    check_results_dir_argument,
+)
 
 
 def _log(message: str) -> None:
@@ -39,6 +45,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--tiny", action="store_true", help="one smallest case per op and no extras; layers and attention only with --layers, --attention "
                              "(smoke test)")
     parser.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write the JSON report to PATH")
+    parser.add_argument("--results-dir", type=Path, default=None, metavar="DIR",
+                        help="where the JSON, CSV and plots named by device and size go (default: benchmarks/results)")
     parser.add_argument("--ops", nargs="+", choices=OP_MODULES, default=list(OP_MODULES), help="ops to run")
     layers = parser.add_mutually_exclusive_group()
     layers.add_argument("--layers", action="store_true", help="time decoder layer steps also with --quick")
@@ -70,6 +78,7 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
     import torch
 
     check_device_argument(parser, args.device)
+    check_results_dir_argument(parser, args.results_dir)
     if args.compile_backend not in torch.compiler.list_backends(exclude_tags=()):
         parser.error(f"--compile-backend {args.compile_backend!r} is not a torch.compile backend; "
                      "e.g. inductor, aot_eager or eager")
@@ -122,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         report["model_step"] = run_model_step(settings, _log)
         print(format_model_step(report["model_step"]), flush=True)
     report["wall_s"] = time.perf_counter() - started
-    harness.save(report, args.json, _log)
+    harness.save(report, args.json, _log, args.results_dir or harness.RESULTS_DIR)
     failed = harness.failed_checks(report)
     _log(f"done in {report['wall_s']:.0f} s" + (f"; baselines that failed their check: {failed}" if failed else ""))
     return 1 if failed else 0

@@ -36,6 +36,24 @@ def check_json_argument(parser: argparse.ArgumentParser, path) -> None:
             parser.error(str(error))
 
 
+def check_results_dir_argument(parser: argparse.ArgumentParser, directory) -> None:
+    """An argparse error, before any work, for a ``--results-dir`` that cannot be made or written: it is
+    created (with its parents) and a file in it created and removed again."""
+    from stepops.cli.paths import check_writable_file
+
+    if directory is None:
+        return
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        parser.error(f"--results-dir {str(directory)!r}: not a directory that can be made "
+                     f"({error.strerror or type(error).__name__})")
+    try:
+        check_writable_file("--results-dir", directory / ".stepops-write-check")
+    except ValueError as error:
+        parser.error(str(error))
+
+
 def _positive_int(text: str) -> int:
     try:
         value = int(text)

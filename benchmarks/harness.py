@@ -631,16 +631,19 @@ def write_plots(directory: Path, stem: str, results: Sequence[dict[str, Any]]) -
     return paths
 
 
-def save(report: dict[str, Any], json_path: Path | None, log: Callable[[str], None]) -> None:
-    RESULTS_DIR.mkdir(exist_ok=True)
+def save(report: dict[str, Any], json_path: Path | None, log: Callable[[str], None],
+         results_dir: Path = RESULTS_DIR) -> None:
+    """``<device>[-quick|-tiny].json`` and ``.csv`` (and PNG plots) in ``results_dir``; the JSON also at
+    ``json_path``."""
+    results_dir.mkdir(parents=True, exist_ok=True)
     size = report["machine"]["size"]
     stem = report["machine"]["device"].split(":")[0] + ("" if size == "full" else f"-{size}")
-    paths = [RESULTS_DIR / f"{stem}.json", RESULTS_DIR / f"{stem}.csv"]
+    paths = [results_dir / f"{stem}.json", results_dir / f"{stem}.csv"]
     text = json.dumps(report, indent=1)
     paths[0].write_text(text)
     write_csv(paths[1], report["ops"])
     if json_path is not None:
         json_path.write_text(text)
         paths.append(json_path)
-    paths += write_plots(RESULTS_DIR, stem, report["ops"])
+    paths += write_plots(results_dir, stem, report["ops"])
     log("wrote " + ", ".join(str(p) for p in paths))

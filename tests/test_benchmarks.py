@@ -36,11 +36,14 @@ def test_tiny_run_writes_every_op_with_floor_times_and_both_ratios(tmp_path):
     # Another directory as cwd: the harness must run as `python path/to/benchmarks`.
     run = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks"), "--tiny", "--compile-backend", "aot_eager", "--threads", "2",
-         "--json", str(out)],
+         "--json", str(out), "--results-dir", str(tmp_path / "results")],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
     )
     assert run.returncode == 0, run.stderr[-3000:]
     report = json.loads(out.read_text())
+    # The files named by device and size went to --results-dir (not into the checkout), the JSON as --json's.
+    assert sorted(p.name for p in (tmp_path / "results").glob("cpu-tiny.*")) == ["cpu-tiny.csv", "cpu-tiny.json"]
+    assert json.loads((tmp_path / "results" / "cpu-tiny.json").read_text()) == report
     assert report["copy_bandwidth_gbps"] > 0
     assert report["machine"]["torch_threads"] == 2 and report["machine"]["size"] == "tiny"
     assert sorted(r["op"] for r in report["ops"]) == sorted(OPS)
@@ -176,12 +179,11 @@ def test_csv_has_one_row_per_case_and_provider(tmp_path):
 @pytest.mark.parametrize(
     "quick, tiny, stem", [(False, False, "cpu"), (True, False, "cpu-quick"), (True, True, "cpu-tiny")]
 )
-def test_each_run_size_writes_its_own_files(tmp_path, monkeypatch, quick, tiny, stem):
+def test_each_run_size_writes_its_own_files(tmp_path, quick, tiny, stem):
     """A smoke run (``--tiny``, as the test above makes) wrote cpu-quick.json over a real quick run's."""
-    monkeypatch.setattr(harness, "RESULTS_DIR", tmp_path)
     settings = harness.Settings(device=torch.device("cpu"), quick=quick, tiny=tiny)
     report = {"machine": harness.machine(settings), "ops": []}
-    harness.save(report, None, lambda message: None)
+    harness.save(report, None, lambda message: None, tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == [f"{stem}.csv", f"{stem}.json"]
     assert json.loads((tmp_path / f"{stem}.json").read_text())["machine"]["size"] == settings.size
 

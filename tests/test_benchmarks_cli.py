@@ -28,6 +28,8 @@ from benchmarks.bench_attention import main as bench_attention_main
         (main, ["--json", "/no/such/dir/out.json"], "--json '/no/such/dir/out.json': not a writable file path"),
         (main, ["static", "--json", "/"], "--json '/': not a writable file path"),
         (bench_attention_main, ["--json", "/no/such/dir/a.json"], "--json '/no/such/dir/a.json': not a writable"),
+        (main, ["--results-dir", "/proc/stepops"], "--results-dir '/proc/stepops': not a directory that can be made"),
+        (main, ["static", "--results-dir", "/tmp"], "static takes only --json, not --results-dir"),
     ],
 )
 def test_bad_options_are_argparse_errors(entry, argv, message, capsys):
