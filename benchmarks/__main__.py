@@ -35,7 +35,7 @@ def _log(message: str) -> None:
 
 
 def _parser() -> argparse.ArgumentParser:
-    from benchmarks.harness import OP_MODULES
+    from benchmarks.harness import OP_MODULES, RESULTS_DIR
 
     parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.split("\n")[0],
                                      epilog="static takes only --json; every other option is run's.")
@@ -45,7 +45,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--tiny", action="store_true", help="one smallest case per op and no extras; layers and attention only with --layers, --attention "
                              "(smoke test)")
     parser.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write the JSON report to PATH")
-    parser.add_argument("--results-dir", type=Path, default=None, metavar="DIR",
+    parser.add_argument("--results-dir", type=Path, default=RESULTS_DIR, metavar="DIR",
                         help="where the JSON, CSV and plots named by device and size go (default: benchmarks/results)")
     parser.add_argument("--ops", nargs="+", choices=OP_MODULES, default=list(OP_MODULES), help="ops to run")
     layers = parser.add_mutually_exclusive_group()
@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         report["model_step"] = run_model_step(settings, _log)
         print(format_model_step(report["model_step"]), flush=True)
     report["wall_s"] = time.perf_counter() - started
-    harness.save(report, args.json, _log, args.results_dir or harness.RESULTS_DIR)
+    harness.save(report, args.json, _log, args.results_dir)
     failed = harness.failed_checks(report)
     _log(f"done in {report['wall_s']:.0f} s" + (f"; baselines that failed their check: {failed}" if failed else ""))
     return 1 if failed else 0

@@ -41,8 +41,6 @@ def check_results_dir_argument(parser: argparse.ArgumentParser, directory) -> No
     created (with its parents) and a file in it created and removed again."""
     from stepops.cli.paths import check_writable_file
 
-    if directory is None:
-        return
     try:
         directory.mkdir(parents=True, exist_ok=True)
     except OSError as error:

@@ -523,8 +523,7 @@ def machine(settings: Settings) -> dict[str, Any]:
         "cpu": platform.processor() or platform.machine(),
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
-        "quick": settings.quick,
-        "size": settings.size,
+        "size": settings.size,  # tiny, quick or full
         "compile_backend": settings.compile_backend,
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
         # Other processes on a shared machine slow CPU figures down (and make OpenMP regions stall).
@@ -631,8 +630,7 @@ def write_plots(directory: Path, stem: str, results: Sequence[dict[str, Any]]) -
     return paths
 
 
-def save(report: dict[str, Any], json_path: Path | None, log: Callable[[str], None],
-         results_dir: Path = RESULTS_DIR) -> None:
+def save(report: dict[str, Any], json_path: Path | None, log: Callable[[str], None], results_dir: Path) -> None:
     """``<device>[-quick|-tiny].json`` and ``.csv`` (and PNG plots) in ``results_dir``; the JSON also at
     ``json_path``."""
     results_dir.mkdir(parents=True, exist_ok=True)
