@@ -48,6 +48,12 @@ class ScheduledRequest:
     inputs: torch.Tensor
 
 
+def _as_tensor(inputs) -> torch.Tensor:
+    """A request's ``inputs`` as a tensor: a tensor as it is, a list on the host (``torch.as_tensor`` alone
+    would place both on the caller's default device, if one is set)."""
+    return inputs if isinstance(inputs, torch.Tensor) else torch.as_tensor(inputs, device="cpu")
+
+
 def capture_sizes_for(max_tokens: int) -> tuple[int, ...]:
     """Padded step sizes: powers of two from 2 up to ``max_tokens`` (and ``max_tokens`` itself).
 
@@ -185,11 +191,15 @@ class StepRunner:
             model.allocate_caches(num_blocks, self.device)
             conv_blocks = -(-max_model_len // model.conv_block_size)
         attn_blocks = -(-max_model_len // model.attn_block_size)
+
+        def shuffled(n: int) -> torch.Tensor:  # on the host whatever default device the caller has set
+            return torch.randperm(n, generator=gen, device="cpu")
+
         self._tables = {
-            "attn": torch.randperm(num_blocks, generator=gen)[: max_requests * attn_blocks].view(max_requests, attn_blocks),
-            "ring": torch.randperm(num_blocks, generator=gen)[:max_requests],
-            "summary": torch.randperm(max_requests * summary_blocks, generator=gen).view(max_requests, summary_blocks),
-            "conv": torch.randperm(num_blocks, generator=gen)[: max_requests * conv_blocks].view(max_requests, conv_blocks),
+            "attn": shuffled(num_blocks)[: max_requests * attn_blocks].view(max_requests, attn_blocks),
+            "ring": shuffled(num_blocks)[:max_requests],
+            "summary": shuffled(max_requests * summary_blocks).view(max_requests, summary_blocks),
+            "conv": shuffled(num_blocks)[: max_requests * conv_blocks].view(max_requests, conv_blocks),
         }
         # The step buffers are views of one int32 device tensor, so that a step's schedule arrives in one
         # host -> device copy (see _fill_buffers).
@@ -274,16 +284,18 @@ class StepRunner:
                 raise ValueError(f"request slot {s.slot} would grow past max_model_len {self.max_model_len}")
         # Detached: an input that requires grad would make the persistent buffer carry every later step's
         # autograd history (and keep each step's upstream activations alive).
-        inputs = torch.cat([torch.as_tensor(s.inputs).detach() for s in batch]) if batch else None
+        inputs = torch.cat([_as_tensor(s.inputs).detach() for s in batch]) if batch else None
         if inputs is not None and self.input_kind == TOKENS:
             self._check_token_ids(batch, inputs)
-        qsl = torch.full((r + 1,), total, dtype=torch.int32)
-        qsl[: len(batch) + 1] = torch.tensor([0] + lens, dtype=torch.int32).cumsum(0)
-        seq_lens = torch.tensor([s.start + n for s, n in zip(batch, lens)] + [0] * (r - len(batch)), dtype=torch.int32)
-        slots = torch.tensor([s.slot for s in batch], dtype=torch.long)
+        # Built on the host (device="cpu" whatever default device the caller has set), then one copy.
+        host = {"dtype": torch.int32, "device": "cpu"}
+        qsl = torch.full((r + 1,), total, **host)
+        qsl[: len(batch) + 1] = torch.tensor([0] + lens, **host).cumsum(0)
+        seq_lens = torch.tensor([s.start + n for s, n in zip(batch, lens)] + [0] * (r - len(batch)), **host)
+        slots = torch.tensor([s.slot for s in batch], dtype=torch.long, device="cpu")
         tables = {}
         for name, table in self._tables.items():
-            rows = torch.full((r, *table.shape[1:]), -1, dtype=torch.int32)
+            rows = torch.full((r, *table.shape[1:]), -1, **host)
             rows[: len(batch)] = table[slots]
             tables[name] = rows
         schedule = StepBuffers(qsl, seq_lens, tables["attn"], tables["ring"], tables["summary"], tables["conv"])
@@ -304,7 +316,7 @@ class StepRunner:
             if not is_int(getattr(s, name)):
                 raise TypeError(f"ScheduledRequest.{name} must be an int, got {type(getattr(s, name)).__name__}")
         try:
-            inputs = torch.as_tensor(s.inputs)
+            inputs = _as_tensor(s.inputs)
         except (TypeError, RuntimeError, ValueError) as error:  # None: "Could not infer dtype of NoneType"
             raise TypeError(f"request slot {s.slot}: inputs must be a tensor, got {type(s.inputs).__name__}") from error
         if inputs.device.type == "meta":
@@ -334,7 +346,7 @@ class StepRunner:
         if 0 <= low and high < vocab:
             return
         for s in batch:  # a bad step: find its request
-            low, high = (int(v) for v in torch.aminmax(torch.as_tensor(s.inputs)))
+            low, high = (int(v) for v in torch.aminmax(_as_tensor(s.inputs)))
             if not (0 <= low and high < vocab):
                 raise ValueError(
                     f"request slot {s.slot}: token ids must be in [0, {vocab}) (the vocabulary), got {low}..{high}"
@@ -559,8 +571,9 @@ def run_workload(runner: StepRunner, workload: Workload, hidden_size: int) -> Wo
     gen = torch.Generator().manual_seed(workload.seed)
     n = len(workload.prompt_lens)
     lengths = [p + d for p, d in zip(workload.prompt_lens, workload.decode_lens)]
-    inputs = [torch.randn(length, hidden_size, generator=gen).to(torch.bfloat16) for length in lengths]
-    outputs = [torch.full((length, hidden_size), float("nan"), dtype=torch.bfloat16) for length in lengths]
+    # Host tensors whatever default device the caller has set (the generator is a host one).
+    inputs = [torch.randn(length, hidden_size, generator=gen, device="cpu").bfloat16() for length in lengths]
+    outputs = [torch.full((length, hidden_size), torch.nan, dtype=torch.bfloat16, device="cpu") for length in lengths]
     committed = [0] * n
     decode_turn = [0] * n
     result = WorkloadResult(inputs, outputs)
@@ -584,7 +597,7 @@ def run_workload(runner: StepRunner, workload: Workload, hidden_size: int) -> Wo
                 count = 1 + drafts
                 commit = min(1 + accepted, lengths[i] - c)
                 truth = inputs[i][c : min(c + count, lengths[i])]
-                garbage = torch.randn(count, hidden_size, generator=gen).to(torch.bfloat16)
+                garbage = torch.randn(count, hidden_size, generator=gen, device="cpu").bfloat16()
                 rows = torch.cat([truth[: 1 + accepted], garbage[1 + accepted :]])[:count]
                 if rows.shape[0] < count:  # drafts past the request's end: pad with garbage
                     rows = torch.cat([rows, garbage[rows.shape[0] :]])

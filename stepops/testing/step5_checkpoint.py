@@ -18,8 +18,8 @@ _FP8_BLOCK = 128
 def _quantize_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``[E, out, in]`` fp32 -> (e4m3 weight, ``[E, ceil(out/128), ceil(in/128)]`` fp32 ``weight_scale_inv``)."""
     experts, rows, cols = weight.shape
-    scale = torch.empty(experts, -(-rows // _FP8_BLOCK), -(-cols // _FP8_BLOCK))
-    quantized = torch.empty(weight.shape, dtype=torch.float8_e4m3fn)
+    scale = torch.empty(experts, -(-rows // _FP8_BLOCK), -(-cols // _FP8_BLOCK), device=weight.device)
+    quantized = torch.empty(weight.shape, dtype=torch.float8_e4m3fn, device=weight.device)
     for i in range(scale.shape[1]):
         for j in range(scale.shape[2]):
             block = weight[:, i * _FP8_BLOCK : (i + 1) * _FP8_BLOCK, j * _FP8_BLOCK : (j + 1) * _FP8_BLOCK]
@@ -32,17 +32,18 @@ def _quantize_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def random_step5_checkpoint(config: Step5Config, seed: int, *, fp8_experts: bool = True) -> dict[str, torch.Tensor]:
-    """A seeded random checkpoint for ``config`` (CPU tensors, the reference's dtypes: bf16 projections,
-    fp32 norms, router bias and indexer head weights; e4m3 + scales for routed experts if ``fp8_experts``)."""
+    """A seeded random checkpoint for ``config``: CPU tensors, also under another default device, in the
+    reference's dtypes (bf16 projections, fp32 norms, router bias and indexer head weights; e4m3 + scales for
+    routed experts if ``fp8_experts``)."""
     c = config
     gen = torch.Generator().manual_seed(seed)
     bf16 = torch.bfloat16
 
     def linear(out_features: int, in_features: int, dtype=bf16) -> torch.Tensor:
-        return (torch.randn(out_features, in_features, generator=gen) * in_features**-0.5).to(dtype)
+        return (torch.randn(out_features, in_features, generator=gen, device="cpu") * in_features**-0.5).to(dtype)
 
     def near(value: float, *shape: int, spread: float = 0.2) -> torch.Tensor:
-        return value + spread * torch.randn(*shape, generator=gen)
+        return value + spread * torch.randn(*shape, generator=gen, device="cpu")
 
     def swiglu(prefix: str, inner: int) -> dict[str, torch.Tensor]:
         return {
@@ -88,7 +89,7 @@ def random_step5_checkpoint(config: Step5Config, seed: int, *, fp8_experts: bool
             "down_proj": (c.hidden_size, c.moe_intermediate_size),
         }
         for name, (rows, cols) in shapes.items():
-            weight = torch.randn(c.moe_num_experts, rows, cols, generator=gen) * cols**-0.5
+            weight = torch.randn(c.moe_num_experts, rows, cols, generator=gen, device="cpu") * cols**-0.5
             if fp8_experts:
                 state[f"{p}moe.{name}.weight"], state[f"{p}moe.{name}.weight_scale_inv"] = _quantize_fp8(weight)
             else:

@@ -10,8 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from stepops.models import InklingModel, Step5Config, Step5Model
+from stepops.models import InklingConfig, InklingModel, Step5Config, Step5Model
 from stepops.models.runner import TOKENS, ScheduledRequest, StepRunner, Workload, run_workload
+from stepops.testing.step5_checkpoint import random_step5_checkpoint
 from stepops.testing.storage import StorageSnapshot
 
 
@@ -286,3 +287,27 @@ def test_assume_fed_lets_a_step_start_deep_in_a_context_and_checks_its_slot(runn
     runner.assume_fed(0, 20)
     (out,) = runner.step([ScheduledRequest(0, 20, _x(runner, 2))])
     assert out.shape == (2, runner.model.config.hidden_size)
+
+
+def test_a_default_device_set_by_the_caller_leaves_the_host_side_on_the_host():
+    """Under ``with torch.device(...)`` the runner's block tables and schedules, a workload's inputs and a
+    random Step5 checkpoint stay host tensors (on a GPU their host generator was refused for the default
+    device): the same run and the same checkpoint as without it. Here the default is ``meta``, which
+    would also leave a host tensor made there without data."""
+    workload = Workload(prompt_lens=(5, 3), decode_lens=(3, 4), num_speculative_tokens=2, token_budget=8)
+
+    def run(default_device):
+        torch.manual_seed(0)
+        model = InklingModel(InklingConfig(num_speculative_tokens=2))
+        with torch.device(default_device):
+            runner = StepRunner(model, max_requests=2, max_model_len=workload.max_len, max_tokens=8, device="cpu")
+            outputs = run_workload(runner, workload, model.config.hidden_size).outputs
+            return outputs, random_step5_checkpoint(Step5Config(), seed=0)
+
+    want, checkpoint = run("cpu")
+    got, meta_default_checkpoint = run("meta")
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert meta_default_checkpoint.keys() == checkpoint.keys()
+    for name, tensor in checkpoint.items():
+        assert torch.equal(meta_default_checkpoint[name].view(torch.uint8), tensor.view(torch.uint8)), name
