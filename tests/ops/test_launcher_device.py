@@ -19,6 +19,10 @@ from stepops._library import registered_ops
 from stepops._triton import HAS_TRITON, on_tensors_device
 
 
+# A CUDA wheel initialises the GPU a fake tensor names: cuda:1 fails on a one-GPU machine.
+_CPU_ONLY_WHEEL = pytest.mark.skipif(torch.cuda.is_available(), reason="fake cuda:1 tensors need a CPU-only wheel")
+
+
 class _Entered(Exception):
     """Raised by the ``torch.cuda.device`` stand-in: the guard was entered (and nothing launched yet)."""
 
@@ -38,11 +42,10 @@ def current_gpu(monkeypatch):
     return current
 
 
+@_CPU_ONLY_WHEEL
 @pytest.mark.skipif(not HAS_TRITON, reason="the stand-in of a missing Triton launches nothing")
 @pytest.mark.parametrize("entry", registered_ops(), ids=lambda e: e.name)
 def test_each_op_launches_on_its_tensors_gpu(current_gpu, entry):
-    if torch.cuda.is_available():
-        pytest.skip("runs fake CUDA tensors on a CPU-only wheel")
     sample = next(entry.samples(torch.device("cpu")))
     with FakeTensorMode():
         # The same shapes, strides and dtypes on cuda:1 (a launcher reads no data on a GPU).
@@ -56,6 +59,7 @@ def test_each_op_launches_on_its_tensors_gpu(current_gpu, entry):
     assert entered.value.args == (torch.device("cuda:1"),)
 
 
+@_CPU_ONLY_WHEEL
 def test_a_launch_on_the_current_gpu_or_on_cpu_enters_no_guard(current_gpu):
     launches = []
     launch = on_tensors_device(lambda first, *args, **kwargs: launches.append((first.device, args, kwargs)))
