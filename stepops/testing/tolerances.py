@@ -95,6 +95,16 @@ TOLERANCES: dict[str, Tolerance] = {
         "0.082 against the 2-layer bound 0.078); what tells it apart is the share of differing elements (~92% "
         "against at most 5.4%), which the tests bound at 1/8",
     ),
+    "csa_summary_cache_vs_model": Tolerance(
+        atol=2**-3,
+        rtol=2**-6 + 2**-3,
+        why="a Step5 summary cache (e4m3 codes, compared as the values they decode to) written by two runs whose "
+        "outputs are within model_vs_recompute, e.g. compiled by Inductor vs eager on a GPU: the summaries' "
+        "inputs differ as the residual stream does (2**-6 relative, 2**-3 near 0) and e4m3 keeps 3 mantissa "
+        "bits, so a value near a rounding boundary lands one code (2**-3 relative) further. Seen on an H200: "
+        "27 of 8192 codes apart, all subnormals (0.004 vs 0.008), which the raw codes' integer distance took "
+        "for a 50% error",
+    ),
     "tensor_parallel_vs_single_rank": Tolerance(
         atol=2**-3,
         rtol=2**-6,

@@ -81,7 +81,12 @@ def test_reduce_overhead_replay_equals_eager_without_cudagraph_skips(model_cls, 
             torch.testing.assert_close(a, b, atol=tol.atol, rtol=tol.rtol)
     assert not counters["inductor"]["cudagraph_skips"], dict(counters["inductor"])
     for a, b in zip(model.cache_tensors(), eager_model.cache_tensors()):
-        torch.testing.assert_close(a, b, atol=tol.atol, rtol=tol.rtol)
+        if a.dtype == torch.uint8:  # a Step5 summary cache: e4m3 codes, compared as their values
+            codes = TOLERANCES["csa_summary_cache_vs_model"]
+            a, b = (t.view(torch.float8_e4m3fn).float() for t in (a, b))
+            torch.testing.assert_close(a, b, atol=codes.atol, rtol=codes.rtol)
+        else:
+            torch.testing.assert_close(a, b, atol=tol.atol, rtol=tol.rtol)
 
 
 def _token_runner(config, mode):
