@@ -116,6 +116,7 @@ def _record_launches(calls: tuple[OpCall, ...] = (), samples: bool = True) -> li
     from triton.runtime.jit import JITFunction
 
     from stepops._library import registered_ops
+    from stepops.ops.triton_launch import CachedLaunch
     from stepops.testing.registry import op_samples
 
     launches: list[_Launch] = []
@@ -131,14 +132,15 @@ def _record_launches(calls: tuple[OpCall, ...] = (), samples: bool = True) -> li
         else []
     )
     every += [(c.op, c.shapes, c.args, c.kwargs) for c in calls]
-    original = JITFunction.run
-    JITFunction.run = record
+    original, original_call = JITFunction.run, CachedLaunch.__call__
+    # Every launch through the recorder: no GPU driver is asked for a device, no compiled kernel kept.
+    JITFunction.run, CachedLaunch.__call__ = record, CachedLaunch.plain
     try:
         for name, shapes, args, kwargs in every:
             current.update(op=name, launcher=entries[name].triton_kernel, shapes=shapes)
             entries[name].triton_kernel(*args, **kwargs)
     finally:
-        JITFunction.run = original
+        JITFunction.run, CachedLaunch.__call__ = original, original_call
     return launches
 
 

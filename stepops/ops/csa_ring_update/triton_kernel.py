@@ -38,6 +38,7 @@ from stepops import layouts
 from stepops._meta import csa_ring_update as _meta
 from stepops.ops.csa_ring_update import torch_kernel as _spec
 from stepops.ops.triton_bounds import bad_id, count_error, in_extent
+from stepops.ops.triton_launch import CachedLaunch, next_power_of_2
 from stepops.ops.triton_rounding import fp8_e4m3_code, round_fp32_to_bf16
 
 # Positions per CSA region (the closing token replays the REGION_SIZE - 1 before it).
@@ -290,6 +291,9 @@ def _csa_ring_update_kernel(
     tl.store(ring_ptr + ring_offsets + P * stride_ring1, z_own, mask=own)
 
 
+_launch_csa_ring_update = CachedLaunch(_csa_ring_update_kernel)
+
+
 def csa_ring_update_triton(
     index_k: torch.Tensor,
     index_z: torch.Tensor,
@@ -337,8 +341,9 @@ def csa_ring_update_triton(
     fp8 = summary_cache.dtype in _meta.FP8_SUMMARY_DTYPES
     # fp8 codes are computed with integer ops and stored as bytes (see fp8_e4m3_code).
     summary = summary_cache.view(torch.uint8) if fp8 else summary_cache
-    block_p = max(triton.next_power_of_2(proxy_dim), 1)  # P = 0: one masked lane, as the PyTorch kernel runs
-    _csa_ring_update_kernel[(num_tokens,)](
+    block_p = max(next_power_of_2(proxy_dim), 1)  # P = 0: one masked lane, as the PyTorch kernel runs
+    _launch_csa_ring_update(
+        (num_tokens,),
         index_k,
         index_z,
         ring,

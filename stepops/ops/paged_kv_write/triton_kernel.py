@@ -14,6 +14,7 @@ import triton.language as tl
 from stepops._meta.paged_kv_write import check_paged_kv_write_args
 from stepops.ops.paged_kv_write.torch_kernel import as_bits
 from stepops.ops.triton_bounds import bad_id, count_error, in_extent
+from stepops.ops.triton_launch import CachedLaunch, next_power_of_2
 
 
 @triton.jit
@@ -74,6 +75,9 @@ def _paged_kv_write_kernel(
     tl.store(v_dst + heads * value_cache_stride_h + dims_v * value_cache_stride_d, v, mask=mask_v & write)
 
 
+_launch_paged_kv_write = CachedLaunch(_paged_kv_write_kernel)
+
+
 def paged_kv_write_triton(
     key: torch.Tensor,
     value: torch.Tensor,
@@ -94,7 +98,8 @@ def paged_kv_write_triton(
     # any dtype takes the same copy. Passed as they are, float8_e4m3fnuz/e5m2fnuz caches ran under the
     # interpreter but do not compile for sm_90 or sm_80, and float8_e8m0fnu or complex64 have no Triton type.
     key, value, key_cache, value_cache = (as_bits(t) for t in (key, value, key_cache, value_cache))
-    _paged_kv_write_kernel[(num_tokens,)](
+    _launch_paged_kv_write(
+        (num_tokens,),
         key,
         value,
         key_cache,
@@ -111,9 +116,9 @@ def paged_kv_write_triton(
         *key_cache.stride(),
         *value_cache.stride(),
         # At least 1: a zero-sized H, D or Dv (e.g. Dv = 0 for a packed latent) is a fully masked tile.
-        BLOCK_H=max(triton.next_power_of_2(num_heads), 1),
-        BLOCK_D=max(triton.next_power_of_2(head_size), 1),
-        BLOCK_DV=max(triton.next_power_of_2(value.shape[2]), 1),
+        BLOCK_H=max(next_power_of_2(num_heads), 1),
+        BLOCK_D=max(next_power_of_2(head_size), 1),
+        BLOCK_DV=max(next_power_of_2(value.shape[2]), 1),
         HAS_ERRORS=errors is not None,
         # Triton's default, stated: 128 threads x 8 bf16 (one 128-bit access each) cover a model-sized
         # [8, 128] head tile in one pass; a pure copy needs no more threads per token.

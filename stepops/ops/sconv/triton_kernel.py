@@ -32,6 +32,7 @@ import triton.language as tl
 
 from stepops._meta.sconv import check_sconv_args
 from stepops.ops.triton_bounds import bad_id, block_and, count_error, in_extent
+from stepops.ops.triton_launch import CachedLaunch, cdiv, next_power_of_2
 from stepops.ops.triton_rounding import round_fp32_to_bf16
 
 # Channels of one head per program, capped so one program's W taps (W x-rows + W cache rows of BLOCK_W
@@ -180,6 +181,9 @@ def _sconv_kernel(
     count_error(errors_ptr, bad & (tl.program_id(1) == 0) & (tl.program_id(2) == 0), HAS_ERRORS)
 
 
+_launch_sconv = CachedLaunch(_sconv_kernel)
+
+
 def sconv_triton(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -209,10 +213,10 @@ def sconv_triton(
     token_request, token_chunk_start, slot_mapping, token_position = (
         t.contiguous() for t in (token_request, token_chunk_start, slot_mapping, token_position)
     )
-    block_w = min(triton.next_power_of_2(width), _MAX_BLOCK_W)
-    heads = min(max(_CHANNELS_PER_WARP // block_w, 1), triton.next_power_of_2(num_heads))
-    grid = (num_tokens, triton.cdiv(num_heads, heads), triton.cdiv(width, block_w))
-    _sconv_kernel[grid](
+    block_w = min(next_power_of_2(width), _MAX_BLOCK_W)
+    heads = min(max(_CHANNELS_PER_WARP // block_w, 1), next_power_of_2(num_heads))
+    _launch_sconv(
+        (num_tokens, cdiv(num_heads, heads), cdiv(width, block_w)),
         x,
         weight,
         cache,
