@@ -219,7 +219,7 @@ def misaligned_calls(calls: Sequence[LaunchCall]) -> list[LaunchCall]:
     return variants
 
 
-def host_us(calls: Sequence[LaunchCall], number: int = 2000) -> list[dict]:
+def launcher_host_us(calls: Sequence[LaunchCall], number: int = 2000) -> list[dict]:
     """Per call, the launcher's host time through the table and through ``kernel[grid]`` (µs, best of 5
     rounds of ``number``), on the stand-in driver: Python work only, no launch."""
     rows = []
@@ -285,7 +285,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     instead prints each op's launcher host time through both paths (median over its samples)."""
     argv = sys.argv[1:] if argv is None else argv
     if argv == ["--time"]:
-        rows = host_us(sample_calls(), number=500)
+        rows = launcher_host_us(sample_calls(), number=500)
         for op in sorted({r["call"].split("-")[0] for r in rows}):
             mine = [r for r in rows if r["call"].split("-")[0] == op]
             plain, cached = (statistics.median(r[k] for r in mine) for k in ("plain_us", "cached_us"))

@@ -71,35 +71,19 @@ def test_a_tensor_after_a_scalar_is_refused():
         leading_tensors(kernel, (x, 3, x))
 
 
-def _same_layout_copy(value):
-    """A copy of a tensor in a fresh storage of its own with the same offset and strides (so the same
-    16-byte alignment and the same table key); anything else as it is."""
-    if not isinstance(value, torch.Tensor):
-        return value
-    storage = value.untyped_storage()
-    copy = torch.empty(storage.nbytes(), dtype=torch.uint8, device=value.device)
-    copy.copy_(torch.empty(0, dtype=torch.uint8, device=value.device).set_(storage))
-    copied = copy.untyped_storage()
-    return torch.empty(0, dtype=value.dtype, device=value.device).set_(
-        copied, value.storage_offset(), value.shape, value.stride()
-    )
-
-
-def _storage_bytes(value):
-    return torch.empty(0, dtype=torch.uint8, device=value.device).set_(value.untyped_storage())
-
-
-def test_same_layout_copy_keeps_offset_strides_alignment_and_bytes():
-    """The GPU test below relies on it: a copy whose key in the table is the original's."""
+def test_copies_as_views_keep_offset_strides_alignment_and_bytes():
+    """The GPU test below relies on it: ``copy_as_views`` gives a copy whose key in the table is the
+    original's."""
     from stepops._library import guarded
+    from stepops.testing.storage import copy_as_views
 
     for pad in (0, 1, 64):
         view = guarded(torch.randn(3, 5).to(torch.bfloat16).t(), pad=pad)
-        copy = _same_layout_copy(view)
+        (copy,) = copy_as_views([view])
         assert copy.untyped_storage().data_ptr() != view.untyped_storage().data_ptr()
         assert (copy.storage_offset(), copy.stride(), copy.shape) == (view.storage_offset(), view.stride(), view.shape)
         assert copy.data_ptr() % 16 == view.data_ptr() % 16
-        assert torch.equal(_storage_bytes(copy), _storage_bytes(view))
+        assert bytes(copy.untyped_storage()) == bytes(view.untyped_storage())
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="launches compiled kernels: needs a GPU")
@@ -108,21 +92,22 @@ def test_on_a_gpu_launches_from_the_table_write_what_kernel_grid_writes(monkeypa
     table (the second one a hit) write the same bytes into every argument's storage and return the same."""
     from stepops._library import registered_ops
     from stepops.ops.triton_launch import CachedLaunch
+    from stepops.testing.storage import copy_as_views
 
     device = torch.device("cuda")
     for entry in registered_ops():
         for sample in entry.samples(device):
             runs = []
             for path in ("plain", "table", "table"):
-                args = tuple(_same_layout_copy(a) for a in sample.args)
-                kwargs = {k: _same_layout_copy(v) for k, v in sample.kwargs.items()}
+                # Same views of fresh storages: the same alignments, so the same table keys, each run.
+                copied = copy_as_views([*sample.args, *sample.kwargs.values()])
+                args, kwargs = copied[: len(sample.args)], dict(zip(sample.kwargs, copied[len(sample.args) :]))
                 with monkeypatch.context() as patch:
                     if path == "plain":
                         patch.setattr(CachedLaunch, "__call__", CachedLaunch.plain)
                     out = entry.triton_kernel(*args, **kwargs)
-                tensors = [a for a in (*args, *kwargs.values(), out) if isinstance(a, torch.Tensor)]
-                runs.append([_storage_bytes(t) for t in tensors])
-            torch.cuda.synchronize()
+                written = copy_as_views([*args, *kwargs.values(), out], "cpu")
+                runs.append([bytes(t.untyped_storage()) for t in written if isinstance(t, torch.Tensor)])
             for got in runs[1:]:
                 for i, (a, b) in enumerate(zip(got, runs[0])):
-                    assert torch.equal(a, b), f"{entry.name}-{sample.name}: tensor {i} differs"
+                    assert a == b, f"{entry.name}-{sample.name}: tensor {i} differs"
