@@ -145,9 +145,10 @@ def allocate_kv_caches(
     sizes (:func:`unify_page_sizes`, padding allowed where ``backend.indexes_kv_by_block_stride()``),
     allocates a zeroed ``uint8 [num_blocks * page_bytes]`` buffer per layer on ``device``, views it as
     ``backend.get_kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size + head_size_v)`` with
-    ``stride(0) = page_bytes / itemsize`` and calls the owner's ``bind_kv_cache``. Every view is made
-    before any layer is bound (a backend shape that does not fit its page binds nothing); layers are then
-    bound in the context's order.
+    ``stride(0) = page_bytes / itemsize`` and calls the owner's ``bind_kv_cache``. Every view is made, and
+    given to the ``check_kv_cache`` of every owner that has one (each stepops owner does), before any layer
+    is bound: a backend shape that does not fit its page, or a view an owner refuses, binds nothing and
+    leaves every layer with the cache it had. Layers are then bound in the context's order.
     """
     if not isinstance(static_forward_context, Mapping):
         raise TypeError(
@@ -178,6 +179,10 @@ def allocate_kv_caches(
         buffer = torch.zeros(num_blocks * page_bytes, dtype=torch.uint8, device=device)
         kv_cache = _cache_view(buffer, spec, backends[name], num_blocks, page_bytes)
         layers[name] = LayerKVCache(spec=spec, buffer=buffer, kv_cache=kv_cache)
+    for name, owner in owners.items():
+        check = getattr(owner, "check_kv_cache", None)
+        if callable(check):
+            check(layers[name].kv_cache)
     for name, owner in owners.items():
         owner.bind_kv_cache(layers[name].kv_cache)
     return KVCaches(page_bytes=page_bytes, num_blocks=num_blocks, layers=layers)

@@ -14,7 +14,7 @@ from stepops.layouts import InklingStream
 from stepops.ops.csa_ring_update import csa_ring_update
 from stepops.ops.csa_ring_update.triton_kernel import csa_ring_update_triton
 from stepops.ops.sconv.triton_kernel import sconv_triton
-from stepops.owners import InklingConvState, PagedAttentionLayer, Step5CSATailRing
+from stepops.owners import InklingConvState, PagedAttentionBackend, PagedAttentionLayer, Step5CSATailRing
 from stepops.specs import CircularBufferSpec, FullAttentionSpec, SlidingWindowSpec
 from conftest import triton_device
 
@@ -260,6 +260,31 @@ def test_allocator_checks_the_backend_shape():
     with pytest.raises(ValueError, match=r"TEST: cache shape"):
         allocate_kv_caches({"first": first, "x": Owner()}, 2)
     assert not hasattr(first, "kv_cache")
+
+
+def test_a_view_an_owner_refuses_leaves_every_layer_with_the_cache_it_had():
+    """Every owner checks its view (``check_kv_cache``) before any layer is bound: the last layer's refusal,
+    by its own bind check, leaves the layers before it bound to their earlier caches, not to buffers of an
+    allocation that failed."""
+
+    class FlatBackend(PagedAttentionBackend):
+        @classmethod
+        def get_kv_cache_shape(cls, num_blocks, block_size, num_kv_heads, head_size, cache_dtype_str="auto"):
+            return (num_blocks, block_size * num_kv_heads, 1, head_size)  # the page's bytes, one head
+
+    class FlatAttentionLayer(PagedAttentionLayer):
+        def get_attn_backend(self):
+            return FlatBackend
+
+    context, attn, conv = _inkling_context(attention_heads=4)
+    allocate_kv_caches(context, num_blocks=3)
+    bound = {name: layer.kv_cache for name, layer in context.items()}
+    FlatAttentionLayer(prefix="layers.1.attn", num_kv_heads=2, head_size=64, block_size=16, static_forward_context=context)
+    with pytest.raises(ValueError, match=r"^layers.1.attn: kv_cache must be \[num_blocks, N, 2, 128\] .* got shape \(3, 64, 1, 128\)$"):
+        allocate_kv_caches(context, num_blocks=3)
+    for name, cache in bound.items():
+        assert context[name].kv_cache is cache
+    assert context["layers.1.attn"].kv_cache.numel() == 0
 
 
 def test_allocator_refuses_what_is_not_a_context_and_sizes_past_int64():

@@ -520,6 +520,32 @@ def test_conv_state_bind_reads_n_from_the_cache():
         conv.bind_kv_cache(torch.zeros(3, 4, 4, 64, dtype=torch.bfloat16))
 
 
+@pytest.mark.parametrize("kind", ["attention", "ring", "conv"])
+def test_check_kv_cache_refuses_what_bind_refuses_and_binds_nothing(kind):
+    """The allocator asks every owner's ``check_kv_cache`` before it binds any layer, so the check must refuse
+    exactly what the bind would, with the same error, and leave the owner as it was."""
+    context = {}
+    main = _main_layer(context)  # 1 KB per token: a 16-token page holds 16 ring rows
+    if kind == "attention":
+        owner, good, bad = main, torch.zeros(3, 16, 1, 512, dtype=torch.bfloat16), torch.zeros(3, 16, 1, 512)
+    elif kind == "ring":
+        owner = _ring(context, k=2)
+        good, bad = (torch.zeros(3, rows, 1, 512, dtype=torch.bfloat16) for rows in (16, 8))  # 8 < 7 + 2
+    else:
+        owner = _conv_state(context)
+        good, bad = (torch.zeros(3, 4, n, 128, dtype=torch.bfloat16) for n in (8, 2))  # N = 2 < kernel 4
+    before = dict(vars(owner))
+    owner.check_kv_cache(good)
+    with pytest.raises((ValueError, TypeError)) as checked:
+        owner.check_kv_cache(bad)
+    assert vars(owner).keys() == before.keys() and all(vars(owner)[k] is v for k, v in before.items())
+    with pytest.raises(type(checked.value)) as bound:
+        owner.bind_kv_cache(bad)
+    assert str(bound.value) == str(checked.value)
+    owner.bind_kv_cache(good)
+    assert owner.kv_cache.data_ptr() == good.data_ptr()
+
+
 def _dense_conv(x_seq: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``x + sum_j w[:, j] * x[t - (W-1) + j]`` over a whole sequence ``[L, C]`` in fp32, taps before 0 zero."""
     width = weight.shape[1]

@@ -2,7 +2,8 @@
 
 Each owner registers itself in a forward context (a plain ``dict`` of layer name -> layer), emits a KV
 cache spec (:mod:`stepops.specs`), names a backend that gives its cache's shape, receives its cache from
-:func:`stepops.allocator.allocate_kv_caches` through ``bind_kv_cache`` and calls its op on it.
+:func:`stepops.allocator.allocate_kv_caches` through ``bind_kv_cache`` (after ``check_kv_cache`` has
+accepted every layer's view) and calls its op on it.
 """
 
 from stepops.owners._context import register_layer

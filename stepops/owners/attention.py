@@ -72,6 +72,11 @@ class PagedAttentionLayer(nn.Module):
 
     def bind_kv_cache(self, kv_cache: torch.Tensor) -> None:
         """Bind ``[num_blocks, N, H, head_size + head_size_v]`` of the spec's dtype; blocks may be strided."""
+        self.check_kv_cache(kv_cache)
+        self.kv_cache = kv_cache
+
+    def check_kv_cache(self, kv_cache: torch.Tensor) -> None:
+        """Raise what :meth:`bind_kv_cache` raises for ``kv_cache``, binding nothing."""
         spec = self._spec
         if not isinstance(kv_cache, torch.Tensor):
             raise TypeError(f"kv_cache must be a torch.Tensor, got {type(kv_cache).__name__}")
@@ -91,7 +96,6 @@ class PagedAttentionLayer(nn.Module):
                 f"num_blocks >= 1 and N a positive multiple of {spec.block_size}, got shape {tuple(kv_cache.shape)}"
             )
         check_block_pages(f"{self.layer_name}: kv_cache", kv_cache, kv_cache[0].numel())
-        self.kv_cache = kv_cache
 
     @property
     def key_cache(self) -> torch.Tensor:

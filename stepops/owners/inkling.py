@@ -132,6 +132,10 @@ class InklingConvState(nn.Module):
         """Bind ``[num_blocks, H, N, D]`` bf16 (``N >= kernel_size``, blocks contiguous, stride(0) free)."""
         self.kv_cache = self.layout.bind(kv_cache).kv_cache
 
+    def check_kv_cache(self, kv_cache: torch.Tensor) -> None:
+        """Raise what :meth:`bind_kv_cache` raises for ``kv_cache``, binding nothing."""
+        self.layout.bind(kv_cache)
+
     def metadata_builder(self) -> InklingSconvMetadataBuilder:
         """A builder for this bound cache's metadata (it carries the bound ``N``)."""
         if self.kv_cache.dim() != 4:

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from stepops.layouts import REPLAY_ROWS, ROW_BYTES, CSATailRingLayout, check_ring_cache_blocks
+from stepops.layouts import REPLAY_ROWS, ROW_BYTES, BoundCSATailRing, CSATailRingLayout, check_ring_cache_blocks
 from stepops.ops.csa_ring_update import CSARingMetadata, build_csa_ring_metadata, csa_ring_update
 from stepops.owners._context import BlockStridedBackend, register_layer
 from stepops.specs import AttentionSpec, CircularBufferSpec, check_int
@@ -161,6 +161,18 @@ class Step5CSATailRing(nn.Module):
         that is not whole rows or overlaps pages, or a page that is not ``7 + k`` or more whole rows, is a
         ``ValueError`` naming the bound tensor (not the seed's block-size advice, which is for the spec).
         """
+        bound = self._bound_ring(kv_cache)
+        self.kv_cache = bound.kv_cache
+        self.capacity = bound.capacity
+        self.rows_per_block = bound.rows_per_block
+        self.rows = bound.rows
+
+    def check_kv_cache(self, kv_cache: torch.Tensor) -> None:
+        """Raise what :meth:`bind_kv_cache` raises for ``kv_cache``, binding nothing."""
+        self._bound_ring(kv_cache)
+
+    def _bound_ring(self, kv_cache: torch.Tensor) -> BoundCSATailRing:
+        """The ring laid over ``kv_cache`` after the checks :meth:`bind_kv_cache` documents."""
         check_ring_cache_blocks(kv_cache, f"Step5 CSA tail ring {self.layer_name}: kv_cache")
         # The page was sized by get_kv_cache_spec (whose error suggests a larger --block-size); a bound block
         # that is not whole rows, or too few of them, means the tensor handed over is wrong, so say that.
@@ -175,11 +187,7 @@ class Step5CSATailRing(nn.Module):
         layout = CSATailRingLayout(
             page_bytes=page_bytes, block_size=1, num_speculative_tokens=self.num_speculative_tokens
         )
-        bound = layout.bind(kv_cache)
-        self.kv_cache = bound.kv_cache
-        self.capacity = bound.capacity
-        self.rows_per_block = bound.rows_per_block
-        self.rows = bound.rows
+        return layout.bind(kv_cache)
 
     def metadata_builder(self, summary_block_size: int) -> Step5CSATailRingMetadataBuilder:
         """A builder for this bound ring's metadata (it carries ``rows_per_block``)."""
