@@ -66,7 +66,7 @@ def guarded(tensor: torch.Tensor, pad: int = 64) -> torch.Tensor:
     """A copy of ``tensor`` (same strides) placed ``pad`` elements into a larger buffer with ``pad`` random
     elements after its last one: bytes around the view that a test can check an op never touches."""
     extent = 1 + sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride())) if tensor.numel() else 0
-    buffer = torch.randn(extent + 2 * pad, generator=torch.Generator().manual_seed(extent))
+    buffer = torch.randn(extent + 2 * pad, generator=torch.Generator().manual_seed(extent), device="cpu")
     if tensor.dtype.is_floating_point:
         buffer = buffer.to(tensor.dtype)
     else:

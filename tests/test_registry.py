@@ -59,3 +59,30 @@ class TestSchemas(TestCase):
 stepops::csa_ring_update(Tensor index_k, Tensor index_z, Tensor(a2!) ring, Tensor(a3!) summary_cache, Tensor token_position, Tensor token_chunk_start, Tensor token_chunk_len, Tensor token_ring_base, Tensor token_summary_slot, SymInt capacity, Tensor(a10!)? errors=None) -> ()
 stepops::paged_kv_write(Tensor key, Tensor value, Tensor(a2!) key_cache, Tensor(a3!) value_cache, Tensor slot_mapping, Tensor(a5!)? errors=None) -> ()
 stepops::sconv(Tensor x, Tensor weight, Tensor(a2!) cache, Tensor block_table, Tensor token_request, Tensor token_chunk_start, Tensor slot_mapping, Tensor token_position, SymInt stream_offset, bool residual=True, bool silu=False, Tensor(a11!)? errors=None) -> Tensor""")
+
+
+def _layouts_and_bytes(calls) -> list:
+    """Every argument of ``calls`` (samples) as comparable values: a tensor as its device, dtype, layout and
+    the bytes of its whole storage."""
+    described = []
+    for call in calls:
+        for value in (*call.args, *call.kwargs.values()):
+            if isinstance(value, torch.Tensor):
+                storage = torch.empty(0, dtype=torch.uint8, device=value.device).set_(value.untyped_storage())
+                value = (value.device, value.dtype, value.shape, value.stride(), value.storage_offset())
+                value = (*value, storage.tolist())
+            described.append(value)
+    return described
+
+
+@pytest.mark.parametrize("entry", registered_ops(), ids=lambda entry: entry.name)
+def test_samples_name_their_devices_so_the_default_device_does_not_reach_them(entry):
+    """Samples and error inputs draw from host generators, then move to the device asked for: under another
+    default device (a GPU suite's ``torch.set_default_device("cuda")``; meta here, which holds no data to
+    copy) they are the same tensors, byte for byte, on the device asked for."""
+    cpu = torch.device("cpu")
+    want = [*entry.samples(cpu), *(error.sample for error in entry.error_inputs(cpu))]
+    with torch.device("meta"):
+        got = [*entry.samples(cpu), *(error.sample for error in entry.error_inputs(cpu))]
+    assert [call.name for call in got] == [call.name for call in want]
+    assert _layouts_and_bytes(got) == _layouts_and_bytes(want)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 
@@ -76,23 +77,23 @@ def make_step(
     num_tokens = sum(query_lens) + num_padding
 
     def randn(*shape):
-        return torch.randn(*shape, generator=generator).to(torch.bfloat16).to(device)
+        return torch.randn(*shape, generator=generator, device="cpu").to(torch.bfloat16).to(device)
 
     num_blocks = num_requests + 2
     cache = guarded(randn(num_blocks, rows_per_block * width))  # bytes around it that must stay unchanged
     ring = bind_ring(cache, capacity, width).rows
-    ring_blocks = torch.randperm(num_blocks, generator=generator)[:num_requests]
+    ring_blocks = torch.randperm(num_blocks, generator=generator, device="cpu")[:num_requests]
 
     blocks_per_request = max(seq_lens) // REGION_SIZE // SUMMARY_BLOCK_SIZE + 1
     num_slots = num_requests * blocks_per_request * SUMMARY_BLOCK_SIZE
-    summary_block_table = torch.randperm(num_requests * blocks_per_request, generator=generator)
+    summary_block_table = torch.randperm(num_requests * blocks_per_request, generator=generator, device="cpu")
     summary_block_table = summary_block_table.view(num_requests, blocks_per_request)
     summary_cache = randn(num_slots, proxy_dim)
     if summary_dtype == torch.uint8:
         summary_cache = summary_cache.to(torch.float8_e4m3fn).view(torch.uint8)
     summary_cache = guarded(summary_cache.to(summary_dtype))
 
-    query_start_loc = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
+    query_start_loc = torch.tensor([0, *accumulate(query_lens)], dtype=torch.int32, device="cpu")
     metadata = build_csa_ring_metadata(
         query_start_loc.to(device),
         torch.tensor(seq_lens, dtype=torch.int32, device=device),

@@ -11,8 +11,8 @@ from stepops._library import ErrorInput, SampleInput, guarded
 
 def _slots(num_blocks: int, block_size: int, num_tokens: int, num_padding: int, dtype, device, gen) -> torch.Tensor:
     """Distinct random slots for the real tokens, then ``-1`` for ``num_padding`` trailing padding tokens."""
-    real = torch.randperm(num_blocks * block_size, generator=gen)[: num_tokens - num_padding]
-    pad = torch.full((num_padding,), -1, dtype=torch.int64)
+    real = torch.randperm(num_blocks * block_size, generator=gen, device="cpu")[: num_tokens - num_padding]
+    pad = torch.full((num_padding,), -1, dtype=torch.int64, device="cpu")
     return torch.cat([real, pad]).to(dtype=dtype, device=device)
 
 
@@ -24,21 +24,22 @@ def paged_kv_write_samples(device: torch.device) -> Iterator[SampleInput]:
              heads_from_fused=False):
         if key_from_fused:
             # key and value as column slices of one fused [T, H, D + Dv] projection: non-contiguous inputs.
-            fused = torch.randn(tokens, heads, head_size + head_size_v, generator=gen).to(dtype).to(device)
+            fused = torch.randn(tokens, heads, head_size + head_size_v, generator=gen, device="cpu")
+            fused = fused.to(dtype).to(device)
             key, value = fused[:, :, :head_size], fused[:, :, head_size:]
         elif heads_from_fused:
             # key and value as head slices of one [T, 2H, D] tensor: a token stride of 2 H D, not H D.
-            fused = torch.randn(tokens, 2 * heads, head_size, generator=gen).to(dtype).to(device)
+            fused = torch.randn(tokens, 2 * heads, head_size, generator=gen, device="cpu").to(dtype).to(device)
             key, value = fused[:, :heads], fused[:, heads:]
         else:
-            key = torch.randn(tokens, heads, head_size, generator=gen).to(dtype).to(device)
-            value = torch.randn(tokens, heads, head_size_v, generator=gen).to(dtype).to(device)
+            key = torch.randn(tokens, heads, head_size, generator=gen, device="cpu").to(dtype).to(device)
+            value = torch.randn(tokens, heads, head_size_v, generator=gen, device="cpu").to(dtype).to(device)
         caches = []
         for d in (head_size, head_size_v):
             page = block_size * heads * d
             # page_stride_pad > 0: each block is a page-strided view into a wider buffer (as when several
             # layers' pages are unified); the gap between pages must never be written.
-            base = torch.randn(num_blocks * (page + page_stride_pad), generator=gen).to(dtype).to(device)
+            base = torch.randn(num_blocks * (page + page_stride_pad), generator=gen, device="cpu").to(dtype).to(device)
             caches.append(base.as_strided((num_blocks, block_size, heads, d), (page + page_stride_pad, heads * d, d, 1)))
         slots = _slots(num_blocks, block_size, tokens, padding, slot_dtype, device, gen)
         return SampleInput(name, (key, value, caches[0], caches[1], slots))
@@ -74,10 +75,10 @@ def paged_kv_write_error_inputs(device: torch.device) -> Iterator[ErrorInput]:
     def call(name, *, slots=(5, 0, -1), key_dtype=torch.bfloat16, cache_dtype=torch.bfloat16, errors=None,
              key_shape=None, slot_dtype=torch.int32):
         tokens = len(slots)
-        key = torch.randn(*(key_shape or (tokens, heads, dim)), generator=gen).to(key_dtype).to(device)
-        value = torch.randn(tokens, heads, dim, generator=gen).to(torch.bfloat16).to(device)
+        key = torch.randn(*(key_shape or (tokens, heads, dim)), generator=gen, device="cpu").to(key_dtype).to(device)
+        value = torch.randn(tokens, heads, dim, generator=gen, device="cpu").to(torch.bfloat16).to(device)
         caches = [
-            guarded(torch.randn(num_blocks, block_size, heads, dim, generator=gen).to(dtype).to(device))
+            guarded(torch.randn(num_blocks, block_size, heads, dim, generator=gen, device="cpu").to(dtype).to(device))
             for dtype in (cache_dtype, torch.bfloat16)
         ]
         slot_mapping = torch.tensor(slots, dtype=slot_dtype, device=device)

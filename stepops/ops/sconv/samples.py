@@ -40,7 +40,7 @@ def random_block_table(
     """``[num_requests, max_blocks]`` int32 of distinct random blocks in ``[0, num_blocks)``."""
     if num_requests * max_blocks > num_blocks:
         raise ValueError(f"{num_requests} x {max_blocks} distinct blocks do not fit in {num_blocks}")
-    blocks = torch.randperm(num_blocks, generator=generator)[: num_requests * max_blocks]
+    blocks = torch.randperm(num_blocks, generator=generator, device="cpu")[: num_requests * max_blocks]
     return blocks.view(num_requests, max_blocks).to(device=device, dtype=torch.int32)
 
 
@@ -54,7 +54,8 @@ def sample_cache(
     """
     num_blocks, heads, block_size, head_size = shape
     block = heads * block_size * head_size
-    buffer = torch.randn(num_blocks, block + block_gap, generator=generator).to(device=device, dtype=torch.bfloat16)
+    buffer = torch.randn(num_blocks, block + block_gap, generator=generator, device="cpu")
+    buffer = buffer.to(device=device, dtype=torch.bfloat16)
     return buffer[:, :block].view(num_blocks, heads, block_size, head_size)
 
 
@@ -67,8 +68,8 @@ def step_metadata(
 ) -> SconvMetadata:
     """Metadata of a step in which request ``r`` had ``prior_lens[r]`` tokens and adds ``new_lens[r]``."""
     device = block_table.device
-    query_start_loc = torch.tensor([0, *accumulate(new_lens)], dtype=torch.int32)
-    seq_lens = torch.tensor([p + n for p, n in zip(prior_lens, new_lens)], dtype=torch.int32)
+    query_start_loc = torch.tensor([0, *accumulate(new_lens)], dtype=torch.int32, device="cpu")
+    seq_lens = torch.tensor([p + n for p, n in zip(prior_lens, new_lens)], dtype=torch.int32, device="cpu")
     return build_sconv_metadata(query_start_loc.to(device), seq_lens.to(device), block_table, block_size, num_tokens)
 
 
@@ -98,8 +99,9 @@ def _sample(
     block_table = random_block_table(len(new_lens), max_blocks, shape[0], generator=generator, device=device)
     metadata = step_metadata(prior_lens, new_lens, block_table, n, num_tokens)
     channels = layout.local_num_kv_heads * width
-    x = torch.randn(num_tokens, channels, generator=generator).to(device=device, dtype=torch.bfloat16)
-    weight = torch.randn(channels, layout.kernel_size, generator=generator).to(device=device, dtype=weight_dtype)
+    x = torch.randn(num_tokens, channels, generator=generator, device="cpu").to(device=device, dtype=torch.bfloat16)
+    weight = torch.randn(channels, layout.kernel_size, generator=generator, device="cpu")
+    weight = weight.to(device=device, dtype=weight_dtype)
     if tap_major:
         weight = weight.t().contiguous().t()
     cache = sample_cache(shape, block_gap=block_gap, generator=generator, device=device)
