@@ -251,9 +251,8 @@ class StepRunner:
         if len(batch) > r:
             raise ValueError(f"{len(batch)} requests in one step; the runner has {r} slots")
         # Checked before any buffer is touched: a bad schedule must not leave half a step in the buffers.
-        for s in batch:
-            self._check_request(s)
-        lens = [len(s.inputs) for s in batch]
+        requests_inputs = [self._checked_inputs(s) for s in batch]
+        lens = [len(request_inputs) for request_inputs in requests_inputs]
         total = sum(lens)
         if total > self.max_tokens:  # padded_size alone would let max_tokens = 1 run 2 (its padded size)
             raise ValueError(f"a step of {total} tokens exceeds the runner's max_tokens {self.max_tokens}")
@@ -284,9 +283,9 @@ class StepRunner:
                 raise ValueError(f"request slot {s.slot} would grow past max_model_len {self.max_model_len}")
         # Detached: an input that requires grad would make the persistent buffer carry every later step's
         # autograd history (and keep each step's upstream activations alive).
-        inputs = torch.cat([_as_tensor(s.inputs).detach() for s in batch]) if batch else None
+        inputs = torch.cat([request_inputs.detach() for request_inputs in requests_inputs]) if batch else None
         if inputs is not None and self.input_kind == TOKENS:
-            self._check_token_ids(batch, inputs)
+            self._check_token_ids(batch, requests_inputs, inputs)
         # Built on the host (device="cpu" whatever default device the caller has set), then one copy.
         host = {"dtype": torch.int32, "device": "cpu"}
         qsl = torch.full((r + 1,), total, **host)
@@ -308,10 +307,11 @@ class StepRunner:
             self.inputs[:total].copy_(inputs, non_blocking=True)
         return total
 
-    def _check_request(self, s: ScheduledRequest) -> None:
-        """``TypeError``/``ValueError`` unless ``s`` has int ``slot`` and ``start`` (bools and floats were
-        taken as ints) and inputs of this runner's kind: ``[n, hidden]`` hidden states, or ``[n]`` integer
-        token ids (their range is checked over the whole step, :meth:`_check_token_ids`)."""
+    def _checked_inputs(self, s: ScheduledRequest) -> torch.Tensor:
+        """``s.inputs`` as a tensor (a list converted once per step); ``TypeError``/``ValueError`` unless ``s``
+        has int ``slot`` and ``start`` (bools and floats were taken as ints) and inputs of this runner's kind:
+        ``[n, hidden]`` hidden states, or ``[n]`` integer token ids (their range is checked over the whole
+        step, :meth:`_check_token_ids`)."""
         for name in ("slot", "start"):
             if not is_int(getattr(s, name)):
                 raise TypeError(f"ScheduledRequest.{name} must be an int, got {type(getattr(s, name)).__name__}")
@@ -329,24 +329,29 @@ class StepRunner:
                 )
             if not inputs.dtype.is_floating_point:  # an int, bool or complex tensor was cast into bf16 silently
                 raise TypeError(f"request slot {s.slot}: hidden states must be floating point, got {inputs.dtype}")
-            return
+            return inputs
         if inputs.dim() != 1 or not is_integer_dtype(inputs.dtype):
             raise ValueError(
                 f"request slot {s.slot}: inputs must be [n] integer token ids, got {inputs.dtype} {tuple(inputs.shape)}"
             )
+        return inputs
 
-    def _check_token_ids(self, batch: Sequence[ScheduledRequest], ids: torch.Tensor) -> None:
+    def _check_token_ids(
+        self, batch: Sequence[ScheduledRequest], requests_ids: Sequence[torch.Tensor], ids: torch.Tensor
+    ) -> None:
         """``ValueError`` naming the first request with an id outside the vocabulary, if the step's ids
-        ``ids`` (its requests' inputs, concatenated) have one; one min/max for the step, only for ids on the
-        host (a GPU tensor would sync)."""
+        ``ids`` (``requests_ids``, each request's, concatenated) have one; one min/max for the step, only for
+        ids on the host (a GPU tensor would sync)."""
         vocab = self.model.config.vocab_size
         if ids.device.type != "cpu" or ids.numel() == 0:
             return
         low, high = (int(v) for v in torch.aminmax(ids))
         if 0 <= low and high < vocab:
             return
-        for s in batch:  # a bad step: find its request
-            low, high = (int(v) for v in torch.aminmax(_as_tensor(s.inputs)))
+        for s, request_ids in zip(batch, requests_ids):  # a bad step: find its request
+            if request_ids.numel() == 0:
+                continue
+            low, high = (int(v) for v in torch.aminmax(request_ids))
             if not (0 <= low and high < vocab):
                 raise ValueError(
                     f"request slot {s.slot}: token ids must be in [0, {vocab}) (the vocabulary), got {low}..{high}"

@@ -117,6 +117,10 @@ def test_token_steps_and_generate_check_their_arguments_before_any_step():
          r"slot 0: token ids must be in \[0, 128\) \(the vocabulary\), got 1\.\.500"),
         (lambda: runner.step([ScheduledRequest(0, 0, torch.tensor([128]))]), ValueError, r"got 128\.\.128"),  # = vocab
         (lambda: runner.step([ScheduledRequest(0, 0, torch.tensor([-1]))]), ValueError, "token ids must be in"),
+        # The bad request (a list) is named past one with no token, whose min/max was a RuntimeError.
+        (lambda: runner.step([ScheduledRequest(0, 0, torch.zeros(0, dtype=torch.long)),
+                              ScheduledRequest(1, 0, [3, 200])]), ValueError,
+         r"^request slot 1: token ids must be in \[0, 128\) \(the vocabulary\), got 3\.\.200$"),
         (lambda: runner.step([ScheduledRequest(0, 0, torch.tensor([1.5]))]), ValueError, r"must be \[n\] integer"),
         (lambda: runner.generate([[1, 2]], True), TypeError, "max_new_tokens must be an int, got bool"),
         (lambda: runner.generate([[1, 2]], -3), ValueError, "max_new_tokens must be >= 0, got -3"),
