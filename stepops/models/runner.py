@@ -466,7 +466,8 @@ class StepRunner:
                     drafts = list(draft(i, list(seq)))[: min(room - 1, max_new_tokens - new[i] - 1)]
                     _check_token_list(f"draft for prompt {i}", drafts)
                 room -= len(chunk) + len(drafts)
-                batch.append(ScheduledRequest(i, cached[i], torch.tensor(chunk + drafts, dtype=torch.int64)))
+                ids = torch.tensor(chunk + drafts, dtype=torch.int64, device="cpu")  # host ids: checked, then copied
+                batch.append(ScheduledRequest(i, cached[i], ids))
                 plans.append((i, len(chunk), len(pending), drafts))
             outs = self.step(batch)
             for (i, fed, pending, drafts), logits in zip(plans, outs):

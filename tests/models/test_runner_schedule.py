@@ -315,3 +315,19 @@ def test_a_default_device_set_by_the_caller_leaves_the_host_side_on_the_host():
     assert meta_default_checkpoint.keys() == checkpoint.keys()
     for name, tensor in checkpoint.items():
         assert torch.equal(meta_default_checkpoint[name].view(torch.uint8), tensor.view(torch.uint8)), name
+
+
+def test_generate_under_a_default_device_feeds_host_ids_that_are_checked():
+    """``generate`` made each step's ids on the caller's default device: under ``meta`` a step refused them
+    (no data), under ``cuda`` they skipped the vocabulary check (which reads only host ids), so an
+    out-of-vocabulary prompt reached the embedding. Now they are host tensors: the same tokens, the same
+    check, under any default device."""
+    torch.manual_seed(0)
+    model = InklingModel(InklingConfig(num_speculative_tokens=2))
+    runner = StepRunner(model, max_requests=2, max_model_len=16, max_tokens=8, device="cpu", inputs="tokens")
+    want = runner.generate([[1, 2, 3], [4, 5]], 3, draft=lambda i, seq: [seq[-1], 7])
+    runner = StepRunner(model, max_requests=2, max_model_len=16, max_tokens=8, device="cpu", inputs="tokens")
+    with torch.device("meta"):
+        assert runner.generate([[1, 2, 3], [4, 5]], 3, draft=lambda i, seq: [seq[-1], 7]) == want
+        with pytest.raises(ValueError, match=r"^request slot 1: token ids must be in \[0, 128\)"):
+            runner.generate([[1], [2, 300]], 1)
