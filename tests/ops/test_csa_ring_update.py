@@ -390,13 +390,16 @@ def test_validate_mode_checks_ranges_on_the_host(name):
 def test_the_host_validator_itself_rejects_each_case(name):
     """The validator alone, as ``validate=True`` runs it before the Triton kernel on a GPU: there no kernel
     raises after it, so a check it drops (a summary slot past the cache, say) goes unreported, while on
-    CPU the PyTorch kernel's own id checks raise the same message and hide the gap."""
+    CPU the PyTorch kernel's own id checks raise the same message and hide the gap. It reads the metadata
+    back to the host and checks it there whatever the caller's default device (meta here: a host tensor
+    made on it has no data)."""
     field, change, message = VALIDATE_CASES[name]
     step, _ = _valid_args()
-    validate_csa_ring_update_inputs(step.index_k, step.index_z, step.ring, step.summary_cache, step.metadata, 10)
     metadata = step.metadata._replace(**{field: change(getattr(step.metadata, field))})
-    with pytest.raises(ValueError, match=message):
-        validate_csa_ring_update_inputs(step.index_k, step.index_z, step.ring, step.summary_cache, metadata, 10)
+    with torch.device("meta"):
+        validate_csa_ring_update_inputs(step.index_k, step.index_z, step.ring, step.summary_cache, step.metadata, 10)
+        with pytest.raises(ValueError, match=message):
+            validate_csa_ring_update_inputs(step.index_k, step.index_z, step.ring, step.summary_cache, metadata, 10)
 
 
 def test_validate_reports_its_own_message_under_torch_compile():

@@ -36,7 +36,7 @@ def validate_csa_ring_update_inputs(
     check_csa_ring_update_args(index_k, index_z, ring, summary_cache, *metadata, capacity)
     position, chunk_start, chunk_len, ring_base, summary_slot = (m.long().cpu() for m in metadata)
     num_tokens = position.shape[0]
-    token = torch.arange(num_tokens)
+    token = torch.arange(num_tokens, device="cpu")
     # Padding carries -1 everywhere; a token with a chunk but position < 0 is a real token whose request's
     # seq_lens is shorter than its tokens in this step (the builder's positions went negative).
     short = (position < 0) & (chunk_start >= 0)
