@@ -391,6 +391,9 @@ class StackedExpertWeight(nn.Module):
         self.weight = nn.Parameter(torch.empty(num_experts, out_features, in_features, dtype=dtype))
         nn.init.uniform_(self.weight, -(in_features**-0.5), in_features**-0.5)
         self.built_dtype = dtype
+        # e4m3 codes are not trained (held with requires_grad=False); a later load in ``built_dtype`` gives
+        # the weight back the requires_grad it had before it held codes.
+        self._requires_grad_unquantized = self.weight.requires_grad
         self.register_buffer("weight_scale_inv", None)
 
     @property
@@ -409,8 +412,10 @@ class StackedExpertWeight(nn.Module):
             if self.weight.dtype == dtype:
                 self.weight.copy_(weight)
             else:
+                if not self.fp8:
+                    self._requires_grad_unquantized = self.weight.requires_grad
                 held = weight.to(device=self.weight.device, dtype=dtype, copy=True)
-                self.weight = nn.Parameter(held, requires_grad=self.weight.requires_grad and scale_inv is None)
+                self.weight = nn.Parameter(held, requires_grad=scale_inv is None and self._requires_grad_unquantized)
         if scale_inv is not None:
             scale_inv = scale_inv.to(device=self.weight.device, copy=True)
         self.weight_scale_inv = scale_inv

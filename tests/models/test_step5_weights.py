@@ -178,6 +178,18 @@ def test_bf16_experts_load_as_they_are():
     assert torch.equal(gate.weight, checkpoint["layers.0.moe.gate_proj.weight"])
 
 
+@pytest.mark.parametrize("trainable", [True, False])
+def test_a_bf16_reload_after_fp8_gives_the_experts_back_their_requires_grad(trainable):
+    """e4m3 codes are held frozen; loading the experts in their built dtype again restores the
+    ``requires_grad`` they had before, as every other parameter of the model kept it."""
+    model = Step5Model(_CONFIG).requires_grad_(trainable)
+    load_step5_state_dict(model, random_step5_checkpoint(_CONFIG, seed=0))
+    gate = model.layers[0].moe.gate_proj
+    assert gate.fp8 and not gate.weight.requires_grad
+    load_step5_state_dict(model, random_step5_checkpoint(_CONFIG, seed=0, fp8_experts=False))
+    assert not gate.fp8 and gate.weight.dtype == gate.built_dtype
+    assert {p.requires_grad for p in model.parameters()} == {trainable}
+
 def test_the_released_models_numbers():
     c = STEP5_REFERENCE
     assert len(c.layer_types) == 92 and c.layer_types.count(CSA) == 23 and c.layer_types[91] == CSA
