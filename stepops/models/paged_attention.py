@@ -119,16 +119,22 @@ def _softmax_start(rows_shape: tuple[int, ...], value_dim: int, device: torch.de
     )
 
 
-def _softmax_fold(state: _SoftmaxState, scores: torch.Tensor, value: torch.Tensor) -> _SoftmaxState:
+def _softmax_fold(
+    state: _SoftmaxState, scores: torch.Tensor, value: torch.Tensor, weight_dtype: torch.dtype
+) -> _SoftmaxState:
     """Fold one chunk: ``scores [..., Q, S]`` fp32 (``-inf`` = masked), ``value [..., S, Dv]`` fp32 and
-    finite (a masked key's weight is 0, and ``0 * NaN`` would still poison the sum)."""
+    finite (a masked key's weight is 0, and ``0 * NaN`` would still poison the sum).
+
+    The weights ``exp(s - max)`` enter the running sum in fp32 and ``P V`` rounded to ``weight_dtype`` (the
+    query's: bf16 in a bf16 model, a no-op in fp32), as fused attention kernels multiply them: Step5's
+    reference ``tl.dot(probabilities.to(values.dtype), values)``, transformers' eager ``.to(query.dtype)``."""
     new_max = torch.maximum(state.max, scores.amax(-1, keepdim=True))
     weights = torch.exp(scores - new_max)  # masked keys: exp(-inf) = 0
     rescale = torch.exp(state.max - new_max)
     return _SoftmaxState(
         new_max,
         state.sum * rescale + weights.sum(-1, keepdim=True),
-        state.acc * rescale + weights @ value,
+        state.acc * rescale + weights.to(weight_dtype).float() @ value,
     )
 
 
@@ -195,7 +201,8 @@ def paged_attention(
     and ``k > p - sliding_window`` when a window is given:
     ``softmax_k(scale * q.k + distance_bias[t, h, p - k])`` with the bias 0 unless ``0 <= p - k < E``
     (``distance_bias [T, Hq, E]``, Inkling's relative logits). Scores and softmax are fp32 (online over
-    chunks), the output is rounded once.
+    chunks), the weights enter ``P V`` rounded to ``query.dtype`` (as the reference kernels multiply them), the
+    output is rounded once.
 
     Static tiling: ``query_tile`` (Qt) consecutive tokens of a request share their key reads (set it to the
     step's tokens per request, e.g. k + 1 for verify, for one read per page per request and KV head);
@@ -279,7 +286,7 @@ def paged_attention(
         # A key no query of the tile may read can be a row never written (NaN, Inf): its weight is an exact
         # 0, but 0 * NaN is NaN, so its value is replaced, not multiplied away (its score is masked_fill'ed).
         value = torch.where(allowed.any(1)[:, :, None, None], value, 0.0)
-        state = _softmax_fold(state, scores, value.float().transpose(1, 2))
+        state = _softmax_fold(state, scores, value.float().transpose(1, 2), query.dtype)
     out = _softmax_finish(state).view(num_tiles, num_kv_heads, group, query_tile, value_size)
     out = out.permute(0, 3, 1, 2, 4).reshape(num_tiles * query_tile, num_heads, value_size)
     out = torch.where((tiles.flat_slot >= 0)[:, None, None], out[tiles.flat_slot.clamp(min=0)], 0.0)
@@ -303,8 +310,8 @@ def sparse_region_attention(
     is one selection for all heads, ``G = Hkv`` one per KV head) the region ids to read, ``-1`` = none.
     Ids must be distinct; the own region (``position // 8``) is always read, so an id equal to it is
     ignored, and keys after the token (``k > p``) or in unallocated blocks are masked. Gathers only
-    ``[T, G, (K + 1) * 8, Hkv/G, D + Dv]`` rows; returns ``[T, Hq, Dv]`` in ``query.dtype`` (fp32 softmax,
-    zero rows for padding).
+    ``[T, G, (K + 1) * 8, Hkv/G, D + Dv]`` rows; returns ``[T, Hq, Dv]`` in ``query.dtype`` (fp32 softmax, its
+    weights rounded to ``query.dtype`` into ``P V`` as in :func:`paged_attention`; zero rows for padding).
     """
     _check_attention_inputs(query, kv_cache, block_table, token)
     num_tokens, num_heads, head_size = query.shape
@@ -345,7 +352,7 @@ def sparse_region_attention(
     state = _softmax_start(scores.shape[:-1], value_size, device)
     # Masked rows may never have been written (NaN, Inf): replaced, since a 0 weight times NaN is NaN.
     value = torch.where(allowed.flatten(2)[:, :, None, :, None], rows[..., head_size:], 0.0)
-    out = _softmax_finish(_softmax_fold(state, scores, value.float()))
+    out = _softmax_finish(_softmax_fold(state, scores, value.float(), query.dtype))
     return out.reshape(num_tokens, num_heads, value_size).to(query.dtype)
 
 

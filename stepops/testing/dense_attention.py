@@ -3,7 +3,8 @@
 Every token gathers its request's whole block table (``[T, max_blocks * N, H, D + Dv]``) and attends over
 it with a dense mask: memory grows with tokens x context, so no model path uses it. It is the formulation
 the layers used before :mod:`stepops.models.paged_attention`, kept to compare against (tests, benchmarks).
-Softmax in fp32, output rounded once to the query's dtype.
+Softmax in fp32, its weights rounded to the query's dtype into ``P V`` as the paged path multiplies them,
+output rounded once to the query's dtype.
 """
 
 from __future__ import annotations
@@ -63,8 +64,10 @@ def masked_attention(
     ``query [T, Hq, D]``, ``key [T, S, Hkv, D]``, ``value [T, S, Hkv, Dv]``, ``allowed [T, S]`` bool, or
     ``[T, Hkv, S]`` when each KV head has its own key set (Step5's per-group region selection);
     ``Hq`` a multiple of ``Hkv`` (query head ``h`` reads KV head ``h // (Hq / Hkv)``). Scores, softmax and
-    the weighted sum are fp32; the output ``[T, Hq, Dv]`` is rounded once to ``query.dtype``. A row with no
-    allowed key (a padding token) is zero.
+    the weighted sum are fp32, the weights ``exp(s - max)`` rounded to ``query.dtype`` into ``P V`` as
+    :mod:`stepops.models.paged_attention` multiplies them (one chunk of its online softmax) and the sum divided
+    after; the output ``[T, Hq, Dv]`` is rounded once to ``query.dtype``. A row with no allowed key (a padding
+    token) is zero.
 
     ``rel_bias [T, Hq, E]`` (with ``position [T]``, the keys being positions ``0..S-1``): a relative
     position bias added to ``score * scale``, entry ``d`` for the key at distance ``d = position - s``
@@ -88,9 +91,9 @@ def masked_attention(
     row_max = scores.amax(-1, keepdim=True).clamp(min=torch.finfo(torch.float32).min)
     weights = torch.exp(scores - row_max) * mask
     denom = weights.sum(-1, keepdim=True)
-    weights = weights / torch.where(denom > 0, denom, torch.ones_like(denom))
     # A masked key's weight is an exact 0, but 0 * NaN is NaN: a masked row's value (stale, never written) is
     # replaced, not multiplied away, so a row with no allowed key is zero as documented.
     value_mask = allowed[:, :, None, None] if allowed.dim() == 2 else allowed.transpose(1, 2)[..., None]
-    out = torch.einsum("tkgs,tskd->tkgd", weights, torch.where(value_mask, value.float(), 0.0))
+    out = torch.einsum("tkgs,tskd->tkgd", weights.to(query.dtype).float(), torch.where(value_mask, value.float(), 0.0))
+    out = out / torch.where(denom > 0, denom, torch.ones_like(denom))
     return out.reshape(num_tokens, num_heads, value.shape[-1]).to(query.dtype)

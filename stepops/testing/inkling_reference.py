@@ -1,9 +1,9 @@
 """Inkling's full recompute of committed sequences with no cache: the yardstick for its incremental layers.
 
 One request at a time, the whole sequence at once, with independent formulations of everything the
-incremental path does through caches and metadata: attention by ``scaled_dot_product_attention`` with a
-dense additive mask (the relative bias placed by distance, ``-inf`` outside the causal window); short convs
-by sconv's one naive reference (:func:`stepops.ops.sconv.reference.short_conv_reference`, one request, no
+incremental path does through caches and metadata: attention as one dense softmax with an additive mask
+(the relative bias placed by distance, ``-inf`` outside the causal window); short convs by sconv's one
+naive reference (:func:`stepops.ops.sconv.reference.short_conv_reference`, one request, no
 cache). The per-token pieces with no state (projections, norms, the per-token bias table and log scaling,
 the MLP) are the layer's own modules. Step5's recompute, which shares nothing with its layers, is
 :mod:`stepops.testing.step5_reference`; the comparison helpers are in :mod:`stepops.testing.recompute`.
@@ -18,17 +18,15 @@ from stepops.models.inkling import InklingDecoderLayer, split_kv
 from stepops.ops.sconv.reference import short_conv_reference
 
 
-def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, scale: float) -> torch.Tensor:
-    """``q [L, Hq, D]``, ``k``/``v [L, Hkv, D]``, ``allowed [L, L]`` -> ``[L, Hq, D]`` (fp32 math, cast once)."""
+def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """``q [L, Hq, D]``, ``k``/``v [L, Hkv, D]``, additive ``mask [Hq, L, L]`` -> ``[L, Hq, D]``: fp32 scores and
+    softmax in one pass, the weights ``exp(s - max)`` rounded to ``q.dtype`` into ``P V`` (as bf16 attention
+    kernels multiply them, and as the layers do), the sum divided after, the output rounded once."""
     group = q.shape[1] // k.shape[1]
-    out = F.scaled_dot_product_attention(
-        q.float().transpose(0, 1),
-        k.float().repeat_interleave(group, dim=1).transpose(0, 1),
-        v.float().repeat_interleave(group, dim=1).transpose(0, 1),
-        attn_mask=allowed,
-        scale=scale,
-    )
-    return out.transpose(0, 1).to(q.dtype)
+    scores = torch.einsum("lhd,mhd->hlm", q.float(), k.float().repeat_interleave(group, dim=1)) * scale + mask
+    weights = torch.exp(scores - scores.amax(-1, keepdim=True))  # every row allows its own token
+    out = torch.einsum("hlm,mhd->hld", weights.to(q.dtype).float(), v.float().repeat_interleave(group, dim=1))
+    return (out / weights.sum(-1, keepdim=True)).transpose(0, 1).to(q.dtype)
 
 
 def _causal(length: int, window: int | None, device: torch.device) -> torch.Tensor:

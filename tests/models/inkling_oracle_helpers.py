@@ -43,8 +43,8 @@ HF_CONFIG = dict(
     pad_token_id=0,
 )
 # fp32 layers that differ from transformers only in summation order: GEMMs blocked differently for a
-# different number of rows (each routed expert runs on all tokens here, on its chosen ones there) and SDPA
-# vs matmul attention. Each rounds a sum of <= 96 terms a few fp32 ulps (2**-24 relative) differently,
+# different number of rows (each routed expert runs on all tokens here, on its chosen ones there) and the
+# recompute's one-pass attention (weights divided after P V) vs transformers' matmul attention. Each rounds a sum of <= 96 terms a few fp32 ulps (2**-24 relative) differently,
 # and the layer's norms and softmax pass that on; seen over 5 input seeds: <= 2**-20.6 of the layer's (or
 # the logits') largest value, so 2**-18 leaves 5x. A wrong part is off by >= 1e-2 of it.
 FP32_LAYER = 2**-18

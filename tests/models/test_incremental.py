@@ -6,9 +6,9 @@ seeds. Step5 models load a random checkpoint in StepFun's reference names (fp8 e
 checked against :mod:`stepops.testing.step5_reference`, an independent recompute from the reference's
 formulas that reads the same checkpoint; Inkling against :mod:`stepops.testing.inkling_reference`.
 
-The two paths sum in other orders (an online softmax over paged key chunks vs SDPA, a per-expert loop vs all experts),
-so they are not bitwise even on CPU: there each output is within one bf16 ulp of its token's largest value
-per layer and at most 1/8 of the elements differ (``model_vs_recompute_cpu``); on a GPU the kernels differ
+The two paths sum in other orders (an online softmax over paged key chunks vs one dense softmax, a per-expert
+loop vs all experts), so they need not be bitwise even on CPU: there each output is within one bf16 ulp of its
+token's largest value per layer and at most 1/32 of the elements differ (``model_vs_recompute_cpu``); on a GPU the kernels differ
 more and the comparison uses ``model_vs_recompute``. Tokens whose region choice in the recompute is a near
 tie are left out (either choice is correct), and there must be few of them.
 """
@@ -27,8 +27,8 @@ from stepops.testing.step5_checkpoint import random_step5_checkpoint
 _WORKLOAD = Workload(prompt_lens=(19, 9, 30), decode_lens=(12, 16, 7), num_speculative_tokens=3, token_budget=16)
 # Past top-k: 8 to 13 complete regions per request against index_top_k = 2, so selection decides.
 _LONG_WORKLOAD = Workload(prompt_lens=(90, 40, 57), decode_lens=(14, 30, 9), num_speculative_tokens=3, token_budget=32)
-# Seen on CPU: at most 6% of a workload's elements differ (model_vs_recompute_cpu); 1/8 leaves room.
-_MAX_DIFFERING_FRACTION = 1 / 8
+# Seen on CPU: at most 0.9% of a workload's elements differ (model_vs_recompute_cpu); 1/32 leaves room.
+_MAX_DIFFERING_FRACTION = 1 / 32
 
 
 def _device() -> torch.device:
