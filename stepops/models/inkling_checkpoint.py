@@ -171,8 +171,8 @@ def config_from_transformers(hf: dict[str, Any], *, block_size: int = 16) -> Ink
     or an ``InklingConfig`` whose ``text_config`` is read; its vision and audio configs are out of scope).
     transformers' aliases (``sconv_kernel_size``, ...) and ``dense_intermediate_size`` are read as it reads them.
 
-    ``ValueError`` for another model type, an activation other than SiLU, an unknown layer type or a
-    missing field. ``block_size`` is the attention KV cache's declared block size (not a transformers setting).
+    ``ValueError`` for another model type, an activation other than SiLU, a false ``is_causal``, an unknown
+    layer type or a missing field. ``block_size`` is the attention KV cache's declared block size (not a transformers setting).
     """
     hf = dict(_text_config(hf))
     for alias, name in _CONFIG_ALIASES.items():
@@ -184,6 +184,12 @@ def config_from_transformers(hf: dict[str, Any], *, block_size: int = 16) -> Ink
     # transformers' ACT2FN: "swish" is nn.SiLU, the same function as "silu".
     if hf.get("hidden_act", "silu") not in ("silu", "swish"):
         raise ValueError(f"hidden_act {hf['hidden_act']!r} is not supported (Inkling uses 'silu')")
+    # Not an InklingTextConfig field, but transformers keeps any key and its mask builders read this one.
+    if not hf.get("is_causal", True):
+        raise ValueError(
+            f"is_causal {hf['is_causal']!r} is not supported: transformers then attends both ways, stepops' "
+            "attention is causal"
+        )
     try:
         return _inkling_config(hf, block_size)
     except KeyError as missing:

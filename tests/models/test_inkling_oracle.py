@@ -190,6 +190,8 @@ def test_bad_weights_are_errors_that_name_them(checkpoint, tmp_path, edit, messa
     [
         (lambda c: c.update(model_type="llama"), r"model_type 'inkling_text'.*got model_type 'llama'"),
         (lambda c: c.update(hidden_act="gelu"), r"hidden_act 'gelu' is not supported"),
+        # transformers' mask builders read it (getattr(config, "is_causal", True)) and attend both ways.
+        (lambda c: c.update(is_causal=False), r"is_causal False is not supported"),
         (lambda c: c.update(layer_types=["hybrid", "linear", "hybrid"]), r"layer_types \['linear'\] are not supported"),
         (lambda c: c.update(swa_num_key_value_heads=3), r"sliding layers: query heads \(4\) must be a multiple of KV heads \(3\)"),
         (lambda c: c.pop("log_scaling_alpha"), r"the Inkling config has no 'log_scaling_alpha'"),
@@ -198,7 +200,7 @@ def test_bad_weights_are_errors_that_name_them(checkpoint, tmp_path, edit, messa
         # A long list of every weight as "unexpected" before (an InklingTextModel's names lack "model.").
         (lambda c: c.update(architectures=["InklingTextModel"]), r"an InklingTextModel checkpoint has no lm_head"),
     ],
-    ids=["model_type", "activation", "layer_type", "geometry", "missing_field", "layer_count", "layer_count_below", "base_model"],
+    ids=["model_type", "activation", "bidirectional", "layer_type", "geometry", "missing_field", "layer_count", "layer_count_below", "base_model"],
 )
 def test_unsupported_configs_are_errors(checkpoint, tmp_path, config_edit, message):
     with pytest.raises(ValueError, match=message):
