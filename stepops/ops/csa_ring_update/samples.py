@@ -194,6 +194,10 @@ def error_inputs(device: torch.device) -> Iterator[ErrorInput]:
         call("ring_row_width", lambda args: args.__setitem__(2, args[2][:, :6])), ValueError,
         r"csa_ring_update: a ring row is \[index_k \| index_z\] = 8 bf16 values",
     )  # fmt: skip
+    yield ErrorInput(
+        call("ring_3d", lambda args: args.__setitem__(2, args[2][..., None])), ValueError,
+        r"csa_ring_update: ring must be 2-D, got shape \(38, 8, 1\)",
+    )  # fmt: skip
     # Rows 4 values apart but 8 wide: each row's index_z half is the next row's index_k half.
     yield ErrorInput(
         call("ring_rows_overlap", lambda args: args.__setitem__(2, args[2].flatten()[: 4 * (num_rows + 1)].unfold(0, 8, 4))),

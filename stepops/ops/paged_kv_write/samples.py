@@ -90,6 +90,11 @@ def paged_kv_write_error_inputs(device: torch.device) -> Iterator[ErrorInput]:
         yield ErrorInput(call(name, slots=(5, bad, -1)), ValueError, slot_rule + rf"; got \[{bad}\]", data=True)
     yield ErrorInput(call("key_2d", key_shape=(3, heads * dim)), ValueError, r"paged_kv_write: key and value must be \[T, H, D\]")
     yield ErrorInput(call("float_slots", slot_dtype=torch.float32), TypeError, "slot_mapping must be int32 or int64")
+    column = call("slot_mapping_2d")
+    yield ErrorInput(
+        SampleInput(column.name, (*column.args[:4], column.args[4][:, None])), ValueError,
+        r"paged_kv_write: slot_mapping must be \[T\]; got \(3, 1\)",
+    )  # fmt: skip
     yield ErrorInput(call("cache_dtype", cache_dtype=torch.float16), TypeError, "a cache must have its input's dtype")
     yield ErrorInput(call("token_count", key_shape=(2, heads, dim)), ValueError, "need the same token count")
     expanded = call("key_cache_expanded")
