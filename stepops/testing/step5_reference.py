@@ -7,7 +7,7 @@ no module or function with :mod:`stepops.models.step5` (only the config's number
 and llama3 scaling, indexer, region summaries (a plain softmax over each complete region, not the op's
 online fold), selection (a Python sort on ``(-score, region)`` per KV group), attention (a dense per-group
 mask, one softmax pass with its weights rounded to bf16 into ``P V`` as the reference's kernel multiplies
-them), MLP and MoE (a per-expert loop over the routed tokens, as the reference's CPU path).
+them: :func:`~stepops.testing.dense_attention.masked_attention`, the paged attention's test oracle), MLP and MoE (a per-expert loop over the routed tokens, as the reference's CPU path).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from stepops.layouts import REGION_SIZE
 from stepops.models.step5 import CSA, Step5Config
+from stepops.testing.dense_attention import masked_attention
 
 _FP8 = torch.float8_e4m3fn
 _FP8_MAX = torch.finfo(_FP8).max
@@ -180,19 +181,6 @@ def region_selection(scores: torch.Tensor, top_k: int, margin: float | None) -> 
     return allowed, near
 
 
-def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, scale: float) -> torch.Tensor:
-    """``q [L, H, D]``, ``k``/``v [L, G, D]`` bf16 and ``allowed [G, L, L]`` -> ``[L, H, D]`` bf16: the reference
-    kernel's online softmax in one tile (``kernel.py`` ``sparse_attention_prefill``). fp32 scores; the weights
-    ``exp(s - max)`` summed in fp32 and rounded to bf16 into ``P V``
-    (``tl.dot(probabilities.to(values.dtype), values)``, fp32 accumulation); the sum divided once."""
-    per = q.shape[1] // k.shape[1]
-    scores = torch.einsum("lhd,mhd->hlm", q.float(), k.float().repeat_interleave(per, dim=1)) * scale
-    scores = scores.masked_fill(~allowed.repeat_interleave(per, dim=0), float("-inf"))
-    weights = torch.exp(scores - scores.amax(-1, keepdim=True))  # every row allows its own token
-    acc = torch.einsum("hlm,mhd->hld", weights.to(torch.bfloat16).float(), v.float().repeat_interleave(per, dim=1))
-    return (acc / weights.sum(-1, keepdim=True)).transpose(0, 1).to(torch.bfloat16)
-
-
 def recompute_layer(
     c: Step5Config, state: Mapping[str, torch.Tensor], i: int, x: torch.Tensor, margin: float | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -216,7 +204,10 @@ def recompute_layer(
         allowed &= j_pos <= i_pos
     else:
         allowed = ((j_pos <= i_pos) & (j_pos > i_pos - c.sliding_window)).expand(groups, length, length)
-    attn = _attention(q, k, v.to(torch.bfloat16), allowed.to(x.device), dim**-0.5)  # [L, H, D]
+    # One tile of the reference kernel's fold (kernel.py ``sparse_attention_prefill``): fp32 scores, the
+    # weights exp(s - max) rounded to bf16 into P V (``tl.dot(probabilities.to(values.dtype), values)``).
+    keys, values = (t.to(torch.bfloat16)[None].expand(length, -1, -1, -1) for t in (k, v))
+    attn = masked_attention(q.to(torch.bfloat16), keys, values, allowed.transpose(0, 1).to(x.device), dim**-0.5)
     attn = attn * torch.sigmoid(F.linear(h, state[a + "g_proj.weight"]))[:, :, None]
     x = x + F.linear(attn.reshape(length, heads * dim), state[a + "o_proj.weight"]).float()
     h = _norm(x, state[prefix + "post_attention_layernorm.weight"], c.rms_norm_eps).to(torch.bfloat16)

@@ -101,35 +101,45 @@ def dense_oracle(step: Step, scale: float, window: int | None) -> torch.Tensor:
     return masked_attention(step.query, keys.key, keys.value, allowed, scale)
 
 
-def fp64_recompute(step: Step, scale: float, window=None, bias=None, regions=None) -> torch.Tensor:
+def fp64_recompute(step: Step, scale: float, window=None, bias=None, regions=None, *, as_the_kernel=False) -> torch.Tensor:
     """Per token, in fp64: its request's K/V read position by position through the table, a boolean mask,
-    softmax, weighted sum. ``regions [T, G, K]``: CSA selection (own region added); None = all causal keys."""
+    softmax, weighted sum. ``regions [T, G, K]``: CSA selection (own region added); None = all causal keys.
+
+    ``as_the_kernel``: in fp32 as StepFun's ``sparse_attention_*`` kernel folds one tile instead: the weights
+    ``exp(s - max)`` summed in fp32 and rounded to the values' dtype into ``P V``
+    (``tl.dot(probabilities.to(values.dtype), values)``), divided by the sum once, rounded to the query's dtype."""
     block_size, num_heads, num_kv_heads = step.kv_cache.shape[1], step.query.shape[1], step.kv_cache.shape[2]
-    out = torch.zeros(step.query.shape[0], num_heads, DV, dtype=torch.float64)
+    dtype = torch.float32 if as_the_kernel else torch.float64
+    out = torch.zeros(step.query.shape[0], num_heads, DV, dtype=dtype)
     for t in range(step.query.shape[0]):
         p, r = int(step.token.position[t]), int(step.token.request[t])
         if p < 0:
             continue
         k_pos = torch.arange(p + 1)
         slots = step.block_table[r, k_pos // block_size].long() * block_size + k_pos % block_size
-        rows = step.kv_cache.flatten(0, 1)[slots].double()  # [p + 1, Hkv, D + DV]
+        rows = step.kv_cache.flatten(0, 1)[slots]  # [p + 1, Hkv, D + DV]
         for h in range(num_heads):
             kv_head = h // (num_heads // num_kv_heads)
-            scores = rows[:, kv_head, :D] @ step.query[t, h].double() * scale
+            scores = rows[:, kv_head, :D].to(dtype) @ step.query[t, h].to(dtype) * scale
             keep = torch.ones(p + 1, dtype=torch.bool)
             if window is not None:
                 keep &= k_pos > p - window
             if bias is not None:
                 d = p - k_pos
                 extent = bias.shape[-1]
-                scores = scores + torch.where(d < extent, bias[t, h].double()[d.clamp(max=extent - 1)], 0.0)
+                scores = scores + torch.where(d < extent, bias[t, h].to(dtype)[d.clamp(max=extent - 1)], 0.0)
             if regions is not None:
                 g = kv_head // (num_kv_heads // regions.shape[1])
                 chosen = set(regions[t, g].tolist()) | {p // 8}
                 keep &= torch.tensor([int(k) // 8 in chosen for k in k_pos])
-            weights = torch.softmax(scores.masked_fill(~keep, float("-inf")), 0)
-            out[t, h] = weights @ rows[:, kv_head, D:]
-    return out
+            values = rows[:, kv_head, D:]
+            if as_the_kernel:
+                weights = torch.exp(scores[keep] - scores[keep].max())
+                out[t, h] = (weights.to(values.dtype).float()[:, None] * values[keep].float()).sum(0) / weights.sum()
+            else:
+                weights = torch.softmax(scores.masked_fill(~keep, float("-inf")), 0)
+                out[t, h] = weights @ values.double()
+    return out.to(step.query.dtype) if as_the_kernel else out
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -276,28 +286,6 @@ def test_sparse_region_attention_matches_dense_path(scenario, dtype):
     assert got[step.token.position < 0].eq(0).all()
 
 
-def _reference_kernel_attention(step: Step, scale: float, allowed: torch.Tensor) -> torch.Tensor:
-    """Per token and head, as StepFun's ``sparse_attention_*`` kernel folds one tile: fp32 scores, weights
-    ``exp(s - max)`` summed in fp32 and rounded to the values' dtype into ``P V``
-    (``tl.dot(probabilities.to(values.dtype), values)``), divided by the sum once. ``allowed [T, S]`` over
-    the request's positions ``0..S-1``."""
-    block_size, num_heads, num_kv_heads = step.kv_cache.shape[1], step.query.shape[1], step.kv_cache.shape[2]
-    out = torch.zeros(step.query.shape[0], num_heads, DV, dtype=step.query.dtype)
-    for t in range(step.query.shape[0]):
-        p, r = int(step.token.position[t]), int(step.token.request[t])
-        if p < 0:
-            continue
-        k_pos = torch.arange(p + 1)[allowed[t, : p + 1]]
-        rows = step.kv_cache.flatten(0, 1)[step.block_table[r, k_pos // block_size].long() * block_size + k_pos % block_size]
-        for h in range(num_heads):
-            kv_head = h // (num_heads // num_kv_heads)
-            scores = (rows[:, kv_head, :D].float() * step.query[t, h].float()).sum(-1) * scale
-            weights = torch.exp(scores - scores.max())
-            acc = (weights.to(rows.dtype).float()[:, None] * rows[:, kv_head, D:].float()).sum(0)
-            out[t, h] = (acc / weights.sum()).to(out.dtype)
-    return out
-
-
 @pytest.mark.parametrize("scenario", ["prefill", "mixed"])
 def test_bf16_attention_rounds_its_weights_into_p_v_as_the_reference_kernel(scenario):
     """The weights enter ``P V`` rounded to bf16 (they stay fp32 in the sum): against a per-token transcription of
@@ -305,17 +293,12 @@ def test_bf16_attention_rounds_its_weights_into_p_v_as_the_reference_kernel(scen
     other orders; measured bitwise), where weights kept in fp32 differ on 18% of them."""
     step = make_step(*SCENARIOS[scenario], block_size=8, max_blocks=7, dtype=torch.bfloat16)
     ids = selection(step.query.shape[0], 1, 2, step.token.position, seed=1)
-    keys = gather_paged_keys(step.kv_cache, D, step.block_table, step.token)
-    region = torch.arange(keys.causal.shape[1]) // 8
-    chosen = (region[None, :, None] == ids[:, 0][:, None, :]).any(-1)
-    own = region[None, :] == step.token.position.long()[:, None] // 8
     # One chunk for paged_attention: its online softmax then folds once, as the kernel's one tile.
-    for got, allowed in (
-        (sparse_region_attention(step.query, step.kv_cache, step.block_table, step.token, ids, scale=0.3), chosen | own),
-        (paged_attention(step.query, step.kv_cache, step.block_table, step.token, scale=0.3, keys_per_chunk=56),
-         torch.ones_like(keys.causal)),
+    for got, regions in (
+        (sparse_region_attention(step.query, step.kv_cache, step.block_table, step.token, ids, scale=0.3), ids),
+        (paged_attention(step.query, step.kv_cache, step.block_table, step.token, scale=0.3, keys_per_chunk=56), None),
     ):
-        want = _reference_kernel_attention(step, 0.3, allowed)
+        want = fp64_recompute(step, 0.3, regions=regions, as_the_kernel=True)
         torch.testing.assert_close(got.float(), want.float(), **TOL[torch.bfloat16])
         assert (got != want).float().mean() <= 0.02  # measured 0; fp32 weights: 18%
 
