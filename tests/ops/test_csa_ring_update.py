@@ -356,6 +356,11 @@ VALIDATE_CASES = {
         "ring_base", lambda m: torch.where(m >= 0, torch.where(m == m[0], 12, 30), m).int(),
         "capacity 10 exceeds rows_per_block: every ring_base is a multiple of 6 rows",
     ),
+    # Caught by later rules too (token 3 outside its chunk, tokens disagreeing), but named here plainly.
+    "chunk_start_negative": (
+        "chunk_start", lambda m: torch.where(m == 3, -1, m), "token 3 has token_chunk_start -1 and token_chunk_len 9",
+    ),
+    "chunk_len_zero": ("chunk_len", lambda m: torch.where(m == 9, 0, m), "token 3 has token_chunk_start 3 and token_chunk_len 0"),
     "chunk_covers_padding": ("chunk_len", lambda m: torch.where(m == 9, 10, m), "token 12 is inside the chunk"),
     # Padding writes nothing, but a slot on it is a builder bug; before, it passed, or, when the slot was a
     # real token's, was reported as two tokens writing one summary slot.

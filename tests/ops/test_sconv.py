@@ -405,6 +405,13 @@ def test_validate_rejects_inconsistent_metadata():
 
     assert "chunk start 1; expected one in [0, 0]" in _validate_error(edit_metadata=start_one_past_a_slotless_token)
     assert "has slot -2" in _validate_error(edit_metadata=_set("slot_mapping", 4, -2))
+
+    def request_1_from_position_minus_1(metadata):  # seq_lens one short: consistent otherwise, slotless at -1
+        first_slot = int(metadata.slot_mapping[3])  # position 2, so position 0's slot is 2 below it
+        metadata.token_position[3:5] = torch.tensor([-1, 0])
+        metadata.slot_mapping[3:5] = torch.tensor([-1, first_slot - 2])
+
+    assert "token 3 of request 1 has position -1" in _validate_error(edit_metadata=request_1_from_position_minus_1)
     assert "block_table row in [0, 2)" in _validate_error(edit_metadata=_set("token_request", 0, 2))
     assert "past its block table" in _validate_error(edit_metadata=_set("token_position", 0, 12))
 

@@ -55,8 +55,13 @@ def validate_csa_ring_update_inputs(
             t = int(bad.nonzero()[0])
             raise ValueError(f"csa_ring_update: padding token {t} has {name} {int(field[t])}; padding carries -1")
     real = ~padding
-    if bool((chunk_start[real] < 0).any()) or bool((chunk_len[real] < 1).any()):
-        raise ValueError("csa_ring_update: a real token has a negative chunk_start or a chunk_len < 1")
+    empty = real & ((chunk_start < 0) | (chunk_len < 1))
+    if bool(empty.any()):
+        t = int(empty.nonzero()[0])
+        raise ValueError(
+            f"csa_ring_update: token {t} has token_chunk_start {int(chunk_start[t])} and token_chunk_len "
+            f"{int(chunk_len[t])}; a real token's chunk starts at a row >= 0 and holds at least that token"
+        )
     if bool((chunk_start[real] + chunk_len[real] > num_tokens).any()):
         raise ValueError(f"csa_ring_update: a request's tokens run past T = {num_tokens}")
     chunk_end = chunk_start + chunk_len

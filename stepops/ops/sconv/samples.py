@@ -269,6 +269,13 @@ def error_inputs(device: torch.device) -> Iterator[ErrorInput]:
         call("stream_offset_past_d", lambda args: args.__setitem__(8, 60)), ValueError,
         r"sconv: stream range \[60, 68\) lies outside the cache's D = 64",
     )  # fmt: skip
+    for dim, size in ((1, "heads"), (2, "block_size"), (3, "head_size")):  # cache (6, 2, 4, 64), one size 0
+        shape = [6, 2, 4, 64]
+        shape[dim] = 0
+        yield ErrorInput(
+            call(f"cache_zero_{size}", lambda args, d=dim: args.__setitem__(2, args[2].narrow(d, 0, 0))), ValueError,
+            rf"sconv: cache needs H, N, D >= 1, got shape \({', '.join(map(str, shape))}\)",
+        )  # fmt: skip
     yield ErrorInput(
         call("cache_expanded_over_n", lambda args: args.__setitem__(2, args[2][:, :, :1].expand_as(args[2]))),
         ValueError, r"sconv: cache \(shape \(6, 2, 4, 64\), strides \(512, 256, 0, 1\)\) lets several of its",
