@@ -3,6 +3,8 @@
 Expected values are counted by hand from the seeds (page sizes, rows, slots), never taken from the code.
 """
 
+from types import MappingProxyType
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -544,6 +546,21 @@ def test_check_kv_cache_refuses_what_bind_refuses_and_binds_nothing(kind):
     assert str(bound.value) == str(checked.value)
     owner.bind_kv_cache(good)
     assert owner.kv_cache.data_ptr() == good.data_ptr()
+
+
+@pytest.mark.parametrize("kind", ["attention", "ring", "conv"])
+def test_bind_refuses_a_cache_that_is_not_a_tensor(kind):
+    context = {}
+    main = _main_layer(context)
+    owner = {"attention": main, "ring": _ring(context), "conv": _conv_state(context)}[kind]
+    with pytest.raises(TypeError, match="kv_cache must be a torch.Tensor, got list"):
+        owner.bind_kv_cache([[0.0]])
+
+
+@pytest.mark.parametrize("context", [(), MappingProxyType({})], ids=["tuple", "read_only_mapping"])
+def test_a_layer_registers_only_in_a_mutable_mapping(context):
+    with pytest.raises(TypeError, match="static_forward_context must be a mutable mapping, got"):
+        _main_layer(context)
 
 
 def _dense_conv(x_seq: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
