@@ -100,6 +100,12 @@ def test_a_key_in_two_files_is_an_error(tmp_path):
         load_step5_safetensors(Step5Model(_CONFIG), tmp_path)
 
 
+def test_a_directory_without_safetensors_is_an_error(tmp_path):
+    (tmp_path / "model.bin").write_bytes(b"")  # a checkpoint in another format is not read as an empty one
+    with pytest.raises(ValueError, match=r"no \*\.safetensors files in"):
+        load_step5_safetensors(Step5Model(_CONFIG), tmp_path)
+
+
 def test_a_foreign_prefix_of_the_same_length_is_unexpected():
     """``draft.`` is as long as ``model.``: its names must not load as the model's own."""
     checkpoint = {f"model.{k}": v for k, v in random_step5_checkpoint(_CONFIG, seed=0).items()}
