@@ -524,6 +524,8 @@ def test_compiled_memory_does_not_grow_with_the_context():
     [
         (lambda s: paged_attention(s.query[0], s.kv_cache, s.block_table, s.token, scale=1.0), "query must be"),
         (lambda s: paged_attention(s.query[:, :3], s.kv_cache, s.block_table, s.token, scale=1.0), "multiple of KV"),
+        (lambda s: paged_attention(s.query, s.kv_cache[..., : s.query.shape[-1]], s.block_table, s.token, scale=1.0),
+         r"must hold K \(\d+\) and V after it"),
         (lambda s: paged_attention(s.query, s.kv_cache, s.block_table, s.token, scale=1.0, sliding_window=0),
          "sliding_window"),
         (lambda s: paged_attention(s.query, s.kv_cache, s.block_table, s.token, scale=1.0,
