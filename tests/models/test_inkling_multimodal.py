@@ -152,6 +152,7 @@ def test_one_warning_names_the_ignored_towers_and_mtp(saved, tmp_path, layout, v
         (MODULE_NAMES, lambda t: t.pop("model.language_model.norm.weight"), r"missing weights .*\['norm.weight'\]"),
         (ORIGINAL, lambda t: t.update({"model.llm.layers.1.attn.wq_du.weight": torch.zeros(3, 64)}), r"model.llm.layers.1.attn.wq_du.weight: shape \(3, 64\) does not match the config's \(64, 64\)"),
         (ORIGINAL, lambda t: t.update({"model.llm.layers.0.mlp.w13_dn.weight": torch.zeros(191, 64)}), r"model.llm.layers.0.mlp.w13_dn.weight: fused gate/up dimension 0 has odd size 191"),
+        (ORIGINAL, lambda t: t.update({"model.llm.layers.1.mlp.experts.w13_weight": torch.zeros(4)}), r"experts.w13_weight: a fused gate/up weight needs a dimension 1, got shape \(4,\)"),
         (ORIGINAL, lambda t: t.update({"model.llm.layers.1.mlp.experts.w13_weight": torch.zeros(4, 32, 64)}), r"experts.w13_weight: shape \(4, 32, 64\) does not match the config's \(4, 64, 64\)"),
         (ORIGINAL, lambda t: t.update({"model.llm.layers.1.attn.wx.weight": torch.zeros(1)}), r"unexpected weights .*\['model.llm.layers.1.attn.wx.weight'\]"),
         (ORIGINAL, lambda t: t.update({"model.llm.layers.1.mlp.w13_dn.weight": torch.zeros(192, 64)}), r"unexpected weights .*\['model.llm.layers.1.mlp.w13_dn.weight'\]"),
@@ -160,7 +161,7 @@ def test_one_warning_names_the_ignored_towers_and_mtp(saved, tmp_path, layout, v
         # One weight under two names: the later in file order won, where transformers takes the other.
         (ORIGINAL, lambda t: t.update({"lm_head.weight": torch.zeros(128, 64)}), r"'lm_head.weight' and 'model.llm.unembed.weight' are both the text decoder's lm_head.weight"),
     ],
-    ids=["missing_expert", "missing_fused_w13", "missing_unembed", "missing_module_name", "shape", "odd_w13",
+    ids=["missing_expert", "missing_fused_w13", "missing_unembed", "missing_module_name", "shape", "odd_w13", "w13_without_its_fused_dim",
          "expert_w13_shape", "unknown_llm", "dense_w13_in_sparse_layer", "projector", "sparse_in_dense_layer",
          "two_names"],
 )

@@ -140,11 +140,12 @@ def _truncate_first_shard(path):
     "edit, message",
     [
         (lambda p: (p / "model.safetensors.index.json").write_text("{}"), r"index.json: no weight_map object"),
+        (lambda p: (p / "config.json").unlink(), r"copy: no config.json \(expected a directory written by save_pretrained\)"),
         (lambda p: (p / "config.json").write_text("[]"), r"config.json: expected a JSON object, got list"),
         (lambda p: (p / "config.json").write_text("{"), r"config.json: not valid JSON"),
         (_truncate_first_shard, r"model-00001-of-\d+.safetensors: not a readable safetensors file"),
     ],
-    ids=["no_weight_map", "config_not_an_object", "config_not_json", "truncated_shard"],
+    ids=["no_weight_map", "no_config", "config_not_an_object", "config_not_json", "truncated_shard"],
 )
 def test_unreadable_checkpoint_files_are_errors_naming_the_file(checkpoint, tmp_path, edit, message):
     """Each was a KeyError, AttributeError, JSONDecodeError or SafetensorError naming no file."""
@@ -259,6 +260,13 @@ def test_layer_kinds_absent_everywhere_default_as_in_transformers():
     assert list(config.layer_types) == [kinds[t] for t in hf_config.layer_types]
     assert list(config.mlp_layer_types) == list(hf_config.mlp_layer_types)
     assert config.layer_types.count("global") == 1 and set(config.mlp_layer_types) == {"sparse"}
+
+
+def test_layer_kinds_to_derive_need_num_hidden_layers():
+    fields = ("layer_types", "num_hidden_layers")
+    saved = {k: v for k, v in _hf_config(HF_CONFIG).to_dict().items() if k not in fields}
+    with pytest.raises(ValueError, match="the Inkling config has no 'num_hidden_layers'"):
+        config_from_transformers(saved)
 
 
 def test_derived_layer_types_load_as_transformers_reads_them(checkpoint, tmp_path):

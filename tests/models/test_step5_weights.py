@@ -75,6 +75,10 @@ def test_fp8_dequantisation_uses_one_scale_per_128_block():
         check_fp8_blocks("fp8 weight", weight, scale[:, :1])
     with pytest.raises(TypeError, match="float8_e4m3fn"):
         check_fp8_blocks("fp8 weight", weight.float(), scale)
+    with pytest.raises(TypeError, match="fp8 weight: weight_scale_inv must be float32, got torch.float64"):
+        check_fp8_blocks("fp8 weight", weight, scale.double())
+    with pytest.raises(ValueError, match=r"fp8 weight: an fp8 weight must be \[\.\.\., out, in\], got shape \(300,\)"):
+        check_fp8_blocks("fp8 weight", weight[0, 0], scale[0, 0])
 
 
 def test_safetensors_directory_with_a_prefix(tmp_path):

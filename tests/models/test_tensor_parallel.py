@@ -24,6 +24,7 @@ JSON file that the tests below read.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import traceback
 from datetime import timedelta
@@ -287,6 +288,10 @@ def test_shard_refuses_tp_above_kv_heads_and_unknown_keys():
         shard_inkling_state_dict({**full, "layers.0.extra": torch.zeros(1)}, CONFIG, tp_rank=0, tp_size=2)
     with pytest.raises(ValueError, match="tp_rank < tp_size"):
         shard_inkling_state_dict(full, CONFIG, tp_rank=2, tp_size=2)
+    for name in ("intermediate_size", "moe_intermediate_size"):  # both kinds are in use: one odd size each
+        odd = dataclasses.replace(CONFIG, **{name: getattr(CONFIG, name) + 1})
+        with pytest.raises(ValueError, match=rf"^{name} \(\d+\) must be divisible by the tensor-parallel size \(2\)"):
+            shard_inkling_state_dict(full, odd, tp_rank=0, tp_size=2)
     # Keys that are not layers.<index>.<parameter>: an IndexError, and a rule for a non-numeric layer.
     for key in ("layers.0", "layers.foo.q_proj.weight"):
         with pytest.raises(ValueError, match=f"no sharding rule for '{key}'"):
