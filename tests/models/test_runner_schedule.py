@@ -98,6 +98,41 @@ def test_max_tokens_1_runs_only_1_token_steps():
     assert runner.steps == runner.tokens == 5  # one token per step: 3 prompt tokens, 2 fed back
 
 
+def test_a_step_past_max_model_len_or_the_slots_is_refused():
+    torch.manual_seed(0)
+    runner = StepRunner(InklingModel(), max_requests=2, max_model_len=4, max_tokens=8, device="cpu")
+    for batch, match in (
+        ([ScheduledRequest(0, 0, _x(runner, 5))], "request slot 0 would grow past max_model_len 4"),
+        # Three requests with distinct slots, one of them outside: the count is named, not the slot.
+        ([ScheduledRequest(slot, 0, _x(runner, 1)) for slot in range(3)], "3 requests in one step; the runner has 2 slots"),
+    ):  # fmt: skip
+        with pytest.raises(ValueError, match=match):
+            runner.step(batch)
+    assert runner.steps == 0
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(inputs="words"), "inputs must be 'hidden', or 'tokens' for a model with forward_tokens, got 'words'"),
+        (dict(model=Step5Model(Step5Config()), inputs="tokens"), "for a model with forward_tokens, got 'tokens'"),
+        (dict(mode="fast"), "mode must be 'eager', 'compiled' or 'cudagraph', got 'fast'"),
+        (dict(mode="cudagraph"), "CUDA-graph mode needs a CUDA device"),
+    ],
+    ids=["unknown-inputs", "tokens-without-forward-tokens", "unknown-mode", "cudagraph-on-cpu"],
+)
+def test_a_runner_refuses_bad_modes_and_inputs(kwargs, match):
+    arguments = dict(model=InklingModel(), max_requests=1, max_model_len=8, max_tokens=4, device="cpu") | kwargs
+    with pytest.raises(ValueError, match=match):
+        StepRunner(**arguments)
+
+
+def test_generate_needs_a_token_runner():
+    runner = StepRunner(InklingModel(), max_requests=1, max_model_len=8, max_tokens=4, device="cpu")
+    with pytest.raises(ValueError, match='generate needs a runner built with inputs="tokens"'):
+        runner.generate([[1]], 1)
+
+
 def test_an_input_that_requires_grad_leaves_no_autograd_history():
     """The input buffer took an input's autograd history and kept every later step's upstream activations."""
     torch.manual_seed(0)
@@ -132,6 +167,8 @@ def test_token_steps_and_generate_check_their_arguments_before_any_step():
         (lambda: runner.generate([[1, True]], 2), TypeError, "prompt 0: token ids must be integers, got torch.bool"),
         (lambda: runner.generate([[1]], 2, draft=lambda i, seq: [0.5]), TypeError,
          "draft for prompt 0: token ids must be integers"),
+        (lambda: runner.generate([[1], [2], [3]], 2), ValueError, "3 prompts; the runner has 2 request slots"),
+        (lambda: runner.generate([[1], []], 2), ValueError, "every prompt needs at least one token"),
     ):  # fmt: skip
         with pytest.raises(error, match=match):
             call()
