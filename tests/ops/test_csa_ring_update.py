@@ -474,10 +474,9 @@ def test_validate_finds_a_last_chunk_one_token_past_t():
         validate_csa_ring_update_inputs(step.index_k, step.index_z, step.ring, step.summary_cache, metadata, 10)
 
 
-@pytest.mark.parametrize("on_meta", ["seq_lens", "ring_blocks", "summary_block_table"])
-def test_metadata_builder_rejects_inputs_on_different_devices(on_meta):
-    """``meta`` tensors stand in for a second device on a CPU-only machine."""
-    args = {
+def _builder_args():
+    """One request of 4 new tokens at positions 23..26, ring in block 1, summaries in blocks 0 and 1."""
+    return {
         "query_start_loc": torch.tensor([0, 4], dtype=torch.int32),
         "seq_lens": torch.tensor([27], dtype=torch.int32),
         "ring_blocks": torch.tensor([1], dtype=torch.int32),
@@ -486,6 +485,34 @@ def test_metadata_builder_rejects_inputs_on_different_devices(on_meta):
         "summary_block_size": 4,
         "num_tokens": 4,
     }
+
+
+@pytest.mark.parametrize(
+    "name, value, error, match",
+    [
+        ("seq_lens", torch.tensor([[27]], dtype=torch.int32), ValueError, r"seq_lens must be \[R\], got \(1, 1\)"),
+        ("ring_blocks", torch.tensor([1, 2], dtype=torch.int32), ValueError, r"ring_blocks must be \[R\] = \[1\], got \(2,\)"),
+        ("ring_blocks", torch.tensor([1.0]), TypeError, "ring_blocks must be an integer tensor .*got torch.float32"),
+        ("summary_block_table", torch.tensor([[0.0, 1.0]]), TypeError, "summary_block_table must be an integer tensor"),
+    ],
+    ids=["seq_lens_2d", "ring_blocks_per_token", "ring_blocks_float", "summary_table_float"],
+)
+def test_metadata_builder_names_a_bad_argument(name, value, error, match):
+    args = _builder_args() | {name: value}
+    with pytest.raises(error, match=f"build_csa_ring_metadata: {match}"):
+        build_csa_ring_metadata(**args)
+
+
+def test_csa_ring_update_takes_its_metadata_as_the_builder_returns_it():
+    step = make_step([4], [27], proxy_dim=16, capacity=10)
+    with pytest.raises(TypeError, match="metadata must be a CSARingMetadata .*got tuple"):
+        csa_ring_update(step.index_k, step.index_z, step.ring, step.summary_cache, tuple(step.metadata), 10)
+
+
+@pytest.mark.parametrize("on_meta", ["seq_lens", "ring_blocks", "summary_block_table"])
+def test_metadata_builder_rejects_inputs_on_different_devices(on_meta):
+    """``meta`` tensors stand in for a second device on a CPU-only machine."""
+    args = _builder_args()
     args[on_meta] = args[on_meta].to("meta")
     with pytest.raises(ValueError, match=f"build_csa_ring_metadata: {on_meta} is on meta, query_start_loc on cpu"):
         build_csa_ring_metadata(**args)
