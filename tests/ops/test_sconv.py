@@ -433,12 +433,6 @@ def test_validate_rejects_bad_block_tables():
 # ---------------------------------------------------------------------------------------------------------
 
 
-def test_sconv_takes_its_metadata_as_the_builder_returns_it():
-    x, weight, cache, block_table, metadata, offset = _step(InklingStream.K, prior_lens=[3], new_lens=[2], num_tokens=2)
-    with pytest.raises(TypeError, match="sconv: metadata must be an SconvMetadata, got tuple"):
-        sconv(x, weight, cache, block_table, tuple(metadata), offset)
-
-
 def test_build_sconv_metadata_matches_plain_python():
     generator = torch.Generator().manual_seed(7)
     for block_size, num_tokens in ((4, 20), (32, 16), (1, 12)):

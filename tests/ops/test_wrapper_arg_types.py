@@ -67,6 +67,7 @@ _CASES = [
     (sconv, _sconv_args, "x", None, "sconv: x must be a torch.Tensor, got NoneType"),
     (sconv, _sconv_args, "weight", None, "sconv: weight must be a torch.Tensor, got NoneType"),
     (sconv, _sconv_args, "block_table", [[3, 5]], "sconv: block_table must be a torch.Tensor, got list"),
+    (sconv, _sconv_args, "metadata", tuple([_PAD] * 4), "sconv: metadata must be an SconvMetadata, got tuple"),
     (sconv, _sconv_args, "metadata", SconvMetadata(None, _PAD, _PAD, _PAD),
      "metadata.token_request must be a torch.Tensor"),
     (sconv, _sconv_args, "stream_offset", True, "sconv: stream_offset must be an int, got bool"),
