@@ -8,7 +8,7 @@ import pytest
 import torch
 from expecttest import TestCase
 
-from stepops._library import NAMESPACE, registered_op, registered_ops
+from stepops._library import NAMESPACE, declare_op, registered_op, registered_ops
 from stepops.testing import op_samples
 
 
@@ -29,6 +29,21 @@ def test_registered_op_finds_each_op_and_names_the_declared_ones_otherwise():
     with pytest.raises(KeyError) as info:
         registered_op("sconv_k")
     assert info.value.args == (f"no stepops op named 'sconv_k'; declared: {declared}",)
+
+
+def test_declaring_an_op_name_twice_is_refused_before_anything_is_registered():
+    entry = registered_op("sconv")
+    with pytest.raises(ValueError, match="stepops op 'sconv' is declared twice"):
+        declare_op(
+            "sconv",
+            mutates_args=(),
+            torch_kernel=entry.torch_kernel,
+            triton_kernel=entry.triton_kernel,
+            fake=entry.fake,
+            samples=entry.samples,
+            error_inputs=entry.error_inputs,
+        )
+    assert registered_op("sconv") is entry
 
 
 def test_every_op_has_fake_kernels_and_samples():
