@@ -396,6 +396,14 @@ def test_dense_oracle_ignores_non_finite_values_of_masked_keys(per_kv_head):
     assert torch.equal(got, want) and got[2].eq(0).all()
 
 
+def test_dense_oracle_refuses_a_distance_bias_without_positions():
+    """A relative bias has no distances to index without each token's position: an error, not a guess."""
+    query, key, value = torch.zeros(2, 2, 4), torch.zeros(2, 3, 1, 4), torch.zeros(2, 3, 1, 4)
+    allowed = torch.ones(2, 3, dtype=torch.bool)
+    with pytest.raises(ValueError, match="rel_bias needs each token's position"):
+        masked_attention(query, key, value, allowed, 1.0, rel_bias=torch.zeros(2, 2, 3))
+
+
 def test_dense_oracle_per_kv_head_masks_reach_their_own_query_heads():
     """``allowed [T, Hkv, S]``: KV head ``g``'s key set is its query heads' alone, as if attention ran on that
     group with the ``[T, S]`` mask (KV head g's query heads are 2g and 2g + 1 here)."""
