@@ -18,11 +18,13 @@ import tempfile
 import textwrap
 from pathlib import Path
 
+import pytest
 import triton
 from expecttest import TestCase
 
 from stepops._library import registered_ops
-from stepops.testing.gpu_build import ALLOW_SPILL, KernelBuild, LoadChains, load_chains, unsupported_reason
+from stepops.testing import gpu_build
+from stepops.testing.gpu_build import ALLOW_SPILL, KernelBuild, LoadChains, build_calls, load_chains, unsupported_reason
 
 ROOT = Path(__file__).resolve().parent.parent
 SNAPSHOT_TRITON_VERSION = "3.9.0"
@@ -59,6 +61,21 @@ def _build(**overrides) -> KernelBuild:
                   barriers=0, spill_allowed=False)
     fields.update(overrides)
     return KernelBuild(**fields)
+
+
+@pytest.mark.parametrize("interpret", ["1", "true"])
+def test_builds_refuse_a_process_that_interprets_kernels(monkeypatch, interpret):
+    """Under ``TRITON_INTERPRET`` a kernel is a Python function: there is nothing to compile or count."""
+    monkeypatch.setenv("TRITON_INTERPRET", interpret)
+    with pytest.raises(RuntimeError, match="needs a process without TRITON_INTERPRET"):
+        build_calls(())
+
+
+def test_builds_name_what_this_triton_lacks_instead_of_failing_inside_it(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(gpu_build, "unsupported_reason", lambda: "Triton 0.0 has no compiler")
+    with pytest.raises(RuntimeError, match="^Triton 0.0 has no compiler$"):
+        build_calls(())
 
 
 class TestGpuBuild(TestCase):

@@ -57,6 +57,22 @@ def test_cached_launch_launches_what_kernel_grid_launches():
     assert calls >= 250 and launches >= 240, summary.group(0)
 
 
+def test_the_stand_in_gpu_refuses_interpreted_kernels_and_a_real_gpu(monkeypatch):
+    """Its stub kernels replace compiled ones in Triton's caches: an interpreted kernel never reaches them,
+    and a real GPU must never meet them."""
+    from stepops.testing.launch_check import stand_in_gpu
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    with pytest.raises(RuntimeError, match="needs a process without TRITON_INTERPRET"):
+        with stand_in_gpu():
+            pass
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(RuntimeError, match="run it with none visible"):
+        with stand_in_gpu():
+            pass
+
+
 def test_a_tensor_after_a_scalar_is_refused():
     """The table's key reads the leading tensors' pointers and takes the rest by value: a launcher that
     interleaves them is told so, rather than keyed on a tensor object."""
