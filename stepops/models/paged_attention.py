@@ -29,7 +29,7 @@ from typing import NamedTuple
 import torch
 
 from stepops.layouts import REGION_SIZE
-from stepops.ops.step_metadata import TokenMetadata, paged_slots
+from stepops.ops.step_metadata import TokenMetadata, paged_slots, table_blocks
 
 # A finite "no key yet" running max: exp(finite - finite) never makes inf - inf = NaN.
 _NO_MAX = torch.finfo(torch.float32).min
@@ -54,18 +54,6 @@ def _max(a: int | torch.SymInt, b: int | torch.SymInt) -> int | torch.SymInt:
     if isinstance(a, int) and isinstance(b, int):
         return max(a, b)
     return torch.sym_max(a, b)
-
-
-def _lookup_blocks(table: torch.Tensor, column: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The blocks at ``column`` ``[n, ...]`` of block-table rows ``table`` ``[n, max_blocks]`` int64, clamped to
-    ``>= 0`` so that every gather through them stays in bounds, and ``[n, ...]`` bool: whether the block is
-    allocated (the column inside the table, its entry not negative). A lookup that is not allocated must be
-    masked, never read: block 0 belongs to another request."""
-    max_blocks = table.shape[1]
-    if max_blocks == 0:  # no block at all: nothing is allocated
-        return torch.zeros_like(column), torch.zeros_like(column, dtype=torch.bool)
-    block = table.gather(1, column.clamp(0, max_blocks - 1).flatten(1)).view_as(column)
-    return block.clamp(min=0), (column >= 0) & (column < max_blocks) & (block >= 0)
 
 
 def _query_tiles(token: TokenMetadata, num_requests: int, query_tile: int) -> _QueryTiles:
@@ -248,7 +236,6 @@ def paged_attention(
         first_column = (tiles.position[:, 0] - sliding_window + 1).clamp(min=0) // block_size
         num_columns = min(max_blocks, (sliding_window + query_tile - 2) // block_size + 2)
     columns_per_chunk = max(1, keys_per_chunk // block_size)
-    table = block_table.long()[tiles.request]  # [tiles, max_blocks]
     state = _softmax_start((num_tiles, num_kv_heads, group * query_tile), value_size, device)
     for start in range(0, num_columns, columns_per_chunk):
         width = min(columns_per_chunk, num_columns - start)
@@ -260,7 +247,7 @@ def paged_attention(
         after = ((state.acc[:1, :1, :1, :1].abs() < 0) | (state.sum[:1, :1, :1] < 0)).long().view(1, 1)
         column = start + torch.arange(width, device=device) + after  # [1, C]
         column = (column if first_column is None else first_column[:, None] + column).expand(num_tiles, width)
-        block, live = _lookup_blocks(table, column)
+        block, live = table_blocks(block_table, tiles.request[:, None], column)
         k_position = (column[:, :, None] * block_size + torch.arange(block_size, device=device)).flatten(1)
         distance = q_position - k_position[:, None, :]  # [tiles, Qt, C * N]
         allowed = live.repeat_interleave(block_size, 1)[:, None, :] & (distance >= 0) & (q_position >= 0)
@@ -337,8 +324,8 @@ def sparse_region_attention(
     selected = selected_regions.long()
     region = torch.cat([torch.where(selected == own, -1, selected), own], dim=2)  # [T, G, K + 1]
     key_position = region[..., None] * REGION_SIZE + torch.arange(REGION_SIZE, device=device)  # [T, G, K + 1, 8]
-    table = block_table.long()[token.request.long().clamp(min=0)]  # [T, max_blocks]
-    block, allocated = _lookup_blocks(table, key_position // block_size)
+    request = token.request.long().clamp(min=0)[:, None, None, None]
+    block, allocated = table_blocks(block_table, request, key_position // block_size)
     allowed = (region[..., None] >= 0) & allocated
     allowed = allowed & (key_position <= position[:, None, None, None])  # padding (-1) allows nothing
     # [T, G, K + 1, 8, Hkv/G, D + Dv]: each group's heads only.

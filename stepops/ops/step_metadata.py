@@ -126,27 +126,40 @@ def build_token_metadata(
     )
 
 
+def table_blocks(block_table: torch.Tensor, row: torch.Tensor, column: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The block at ``column`` of ``block_table`` row ``row`` (``[R, max_blocks]``; ``row`` broadcasts against
+    ``column``, both integer): int64, clamped to ``>= 0`` so that every gather through it stays in range, and
+    bool, whether that block is allocated (the column inside the table and its entry not negative).
+
+    The one rule for every paged lookup (slots of the metadata, keys of the attention): a block that is not
+    allocated must be masked, never read, as block 0 belongs to another request. ``row`` must index a row of
+    the table (the caller clamps padding's ``-1``).
+    """
+    max_blocks = block_table.shape[1]
+    if max_blocks == 0:  # no block at all: nothing is allocated
+        shape = torch.broadcast_shapes(row.shape, column.shape)
+        return column.new_zeros(shape, dtype=torch.int64), column.new_zeros(shape, dtype=torch.bool)
+    # The clamp only keeps the gather in range; the columns it changes are masked out.
+    block = block_table[row, column.clamp(0, max_blocks - 1)].long()
+    return block.clamp(min=0), (column >= 0) & (column < max_blocks) & (block >= 0)
+
+
 def paged_slots(block_table: torch.Tensor, request: torch.Tensor, index: torch.Tensor, block_size: int) -> torch.Tensor:
     """int64 ``block_table[r, i // N] * N + i % N``, shaped like ``index``: the paged slot of index ``i`` (a
     token position, or a region) of request ``r`` (``request [T]``, ``index [T, ...]``, ``N = block_size``).
 
     ``-1`` where the index is negative (padding), its column is past the table or its block entry is
-    negative (unallocated): such an index has no slot, and any slot made up for it would be another
-    request's. A negative request is read as request 0 (its index must be masked by the caller, or be
-    negative). The one rule for every paged lookup of the metadata: the CSA op writes region summaries
-    where the indexer reads them.
+    negative (unallocated) (:func:`table_blocks`): such an index has no slot, and any slot made up for it
+    would be another request's. A negative request is read as request 0 (its index must be masked by the
+    caller, or be negative). The CSA op writes region summaries where the indexer reads them.
     """
     index = index.long()
-    if block_table.numel() == 0:  # R = 0 or no columns: no block at all, and nothing to gather
+    if block_table.shape[0] == 0:  # R = 0: every token is padding
         return torch.full_like(index, -1)
-    max_blocks = block_table.shape[1]
-    column = index.clamp(min=0) // block_size
     row = request.long().clamp(min=0)
     if index.dim() > 1:  # one request per leading index row
         row = row.view(-1, *(1,) * (index.dim() - 1))
-    # The clamp only keeps the gather in range; the columns it changes are masked out below.
-    block = block_table[row, column.clamp(max=max_blocks - 1)].long()
-    allocated = (index >= 0) & (column < max_blocks) & (block >= 0)
+    block, allocated = table_blocks(block_table, row, index // block_size)  # floor: i < 0 has column < 0
     return torch.where(allocated, block * block_size + index % block_size, -1)
 
 

@@ -193,12 +193,14 @@ def test_sliding_window_reads_only_its_columns():
     assert torch.equal(paged_attention(step.query, step.kv_cache, table, step.token, scale=0.5, sliding_window=6), want)
 
 
-def test_unallocated_block_inside_the_context_is_masked():
-    """A -1 entry among a request's columns (a block the engine never wrote or freed) hides its keys, in
-    both attentions and in the dense oracle; it is never read as block 0 (another request's)."""
+@pytest.mark.parametrize("unallocated", [-1, -(2**31)])
+def test_unallocated_block_inside_the_context_is_masked(unallocated):
+    """A negative entry among a request's columns (a block the engine never wrote or freed) hides its keys,
+    in both attentions and in the dense oracle; it is never read as block 0 (another request's), and an entry
+    far below ``-num_blocks`` is no out-of-range index."""
     step = make_step(*SCENARIOS["verify"], block_size=8, max_blocks=7)
     table = step.block_table.clone()
-    table[1, 1] = -1  # request 1's positions 8..15: region 1
+    table[1, 1] = unallocated  # request 1's positions 8..15: region 1
     keys = gather_paged_keys(step.kv_cache, D, table, step.token)
     full = gather_paged_keys(step.kv_cache, D, step.block_table, step.token).causal
     region = torch.arange(keys.causal.shape[1]) // 8
