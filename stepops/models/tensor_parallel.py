@@ -60,9 +60,9 @@ class TensorParallel:
             raise TypeError(
                 f"process_group must be a torch.distributed.ProcessGroup or None, got {type(group).__name__}"
             )
+        # A ProcessGroup object exists only on its members: dist.get_rank's -1 ("not in the group") is for
+        # NON_GROUP_MEMBER alone, refused above.
         size, rank = dist.get_world_size(group), dist.get_rank(group)
-        if rank < 0:
-            raise ValueError("this process is not a member of process_group")
         return cls(group, size, rank) if size > 1 else cls()
 
 

@@ -345,6 +345,15 @@ def test_a_group_this_rank_is_not_in_says_so():
         TensorParallel.from_group(dist.GroupMember.NON_GROUP_MEMBER)
 
 
+@pytest.mark.parametrize("group", ["tp", 2, object()])
+def test_a_group_that_is_no_process_group_is_a_type_error(group):
+    """Not a rank count or a name: the layers need the group itself for their collectives."""
+    from stepops.models.tensor_parallel import TensorParallel
+
+    with pytest.raises(TypeError, match="process_group must be a torch.distributed.ProcessGroup or None, got"):
+        TensorParallel.from_group(group)
+
+
 @pytest.mark.parametrize("tp_size", [0, -1])
 def test_spawning_no_rank_is_a_value_error(tp_size):
     """It returned at once with ``fn`` never run."""
