@@ -60,8 +60,8 @@ class TensorParallel:
             raise TypeError(
                 f"process_group must be a torch.distributed.ProcessGroup or None, got {type(group).__name__}"
             )
-        # A ProcessGroup object exists only on its members: dist.get_rank's -1 ("not in the group") is for
-        # NON_GROUP_MEMBER alone, refused above.
+        # dist.get_rank returns -1 ("not in the group") for NON_GROUP_MEMBER alone, refused above; for a
+        # ProcessGroup that does not hold this process it raises.
         size, rank = dist.get_world_size(group), dist.get_rank(group)
         return cls(group, size, rank) if size > 1 else cls()
 
