@@ -126,7 +126,9 @@ def build_token_metadata(
     )
 
 
-def table_blocks(block_table: torch.Tensor, row: torch.Tensor, column: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def table_blocks(
+    block_table: torch.Tensor, row: torch.Tensor, column: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The block at ``column`` of ``block_table`` row ``row`` (``[R, max_blocks]``; ``row`` broadcasts against
     ``column``, both integer): int64, clamped to ``>= 0`` so that every gather through it stays in range, and
     bool, whether that block is allocated (the column inside the table and its entry not negative).
