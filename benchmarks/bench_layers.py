@@ -114,7 +114,7 @@ def run_moe_blocks(settings: Settings, log: Callable[[str], None]) -> list[dict[
         ("inkling", InklingMoE(InklingConfig(hidden_size=hidden, n_routed_experts=MOE_EXPERTS,
                                              num_experts_per_tok=MOE_TOP_K), inner, torch.bfloat16)),
         ("step5", Step5MoE(Step5Config(hidden_size=hidden, moe_num_experts=MOE_EXPERTS, moe_top_k=MOE_TOP_K,
-                                       moe_intermediate_size=inner), torch.bfloat16)),
+                                       moe_intermediate_size=inner), torch.bfloat16, layer_index=0)),
     ]
     rows = []
     gen = torch.Generator().manual_seed(0)

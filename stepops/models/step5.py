@@ -92,6 +92,11 @@ class Step5Config:
     (:data:`stepops.layouts.ROW_BYTES`). The indexer's groups are the KV heads (the reference's
     ``num_provider_groups == num_attention_groups``), so ``index_num_heads`` is a multiple of
     ``num_kv_heads``. ``moe_layers`` lists the layer indices whose FFN is MoE; the others are dense.
+
+    ``swiglu_limit`` (the dense MLP's and the routed experts') and ``swiglu_limit_shared`` (the shared
+    expert's) are one number for every layer or one per layer, as the reference's ``swiglu_limits`` and
+    ``swiglu_limits_shared`` lists; :meth:`swiglu_limits` reads a layer's. ``moe_renormalize`` is the
+    reference's ``norm_expert_weight``: whether the routed weights are divided by their sum.
     """
 
     hidden_size: int = 64
@@ -110,14 +115,15 @@ class Step5Config:
     csa_rope_theta: float = 5e6
     csa_partial_rotary_factor: float = 1 / 3
     csa_rope_scaling: Llama3RopeScaling | None = Llama3RopeScaling(4.0, 1.0, 4.0, 64)
-    swiglu_limit: float = 1.0  # dense MLP and routed experts (the reference's default is 7.0)
-    swiglu_limit_shared: float = 0.75  # shared expert
+    swiglu_limit: float | tuple[float, ...] = 1.0  # dense MLP and routed experts (the reference's default is 7.0)
+    swiglu_limit_shared: float | tuple[float, ...] = 0.75  # shared expert
     moe_layers: tuple[int, ...] = (0,)
     moe_num_experts: int = 4
     moe_top_k: int = 2
     moe_intermediate_size: int = 32
     share_expert_dim: int = 32
     moe_router_scaling_factor: float = 3.0
+    moe_renormalize: bool = True
     layer_types: tuple[str, ...] = field(default=(SLIDING, CSA))
 
     def __post_init__(self) -> None:
@@ -154,8 +160,6 @@ class Step5Config:
             )
         if not math.isfinite(self.moe_router_scaling_factor):
             raise ValueError(f"moe_router_scaling_factor must be finite, got {self.moe_router_scaling_factor}")
-        if not (self.swiglu_limit > 0 and self.swiglu_limit_shared > 0):
-            raise ValueError("swiglu limits must be > 0")
         if not 0 <= self.rms_norm_eps < math.inf:
             raise ValueError(f"rms_norm_eps must be finite and >= 0, got {self.rms_norm_eps}")
         if not self.layer_types:
@@ -174,6 +178,30 @@ class Step5Config:
             raise ValueError(f"moe_layers must be distinct layer indices < {len(self.layer_types)}, got {self.moe_layers}")
         if self.moe_top_k > self.moe_num_experts:
             raise ValueError(f"moe_top_k ({self.moe_top_k}) exceeds moe_num_experts ({self.moe_num_experts})")
+        if not isinstance(self.moe_renormalize, bool):
+            raise TypeError(f"moe_renormalize must be a bool, got {self.moe_renormalize!r}")
+        for name in ("swiglu_limit", "swiglu_limit_shared"):
+            self._check_swiglu_limit(name, getattr(self, name))
+
+    def _check_swiglu_limit(self, name: str, limit: object) -> None:
+        """A number > 0 (``math.inf``: no clamp), or a tuple of one such number per layer."""
+        limits = limit if isinstance(limit, tuple) else (limit,)
+        if not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in limits):
+            raise TypeError(f"{name} must be a number or a tuple of one number per layer, got {limit!r}")
+        if isinstance(limit, tuple) and len(limit) != len(self.layer_types):
+            raise ValueError(f"{name} has {len(limit)} per-layer limits for {len(self.layer_types)} layers")
+        if not all(x > 0 for x in limits):  # NaN fails too
+            raise ValueError(
+                f"swiglu limits must be > 0 (math.inf for no clamp, which configs that write 0 for none mean), "
+                f"got {name}={limit!r}"
+            )
+
+    def swiglu_limits(self, layer_index: int) -> tuple[float, float]:
+        """Layer ``layer_index``'s SwiGLU limits: (dense MLP or routed experts, shared expert)."""
+        return tuple(  # type: ignore[return-value]
+            limit[layer_index] if isinstance(limit, tuple) else limit
+            for limit in (self.swiglu_limit, self.swiglu_limit_shared)
+        )
 
     @property
     def index_heads_per_group(self) -> int:
@@ -440,9 +468,10 @@ class Step5MoE(nn.Module):
     """Sigmoid router with a selection-only bias over stacked experts (the shared expert is the layer's).
 
     Routing: ``s = sigmoid(x W_gate^T) + bias`` in fp32, the top-k experts by ``s``, weights ``s - bias``
-    renormalised to sum 1 and scaled by ``moe_router_scaling_factor``. Each chosen expert's clamped SwiGLU
-    output (bf16) is summed in slot order (best expert first) with an fp32 accumulator and rounded once to
-    bf16, as the reference's ``Step4MoE.forward``.
+    renormalised to sum 1 (``moe_renormalize``, as in the release) and scaled by ``moe_router_scaling_factor``.
+    Each chosen expert's clamped SwiGLU output (bf16; layer ``layer_index``'s limit) is summed in slot order
+    (best expert first) with an fp32 accumulator and rounded once to bf16, as the reference's
+    ``Step4MoE.forward``.
 
     Two paths with these semantics, picked by the step's token count ``T`` (a static shape: fixed in a CUDA
     graph; the runner compiles one graph per side of :attr:`small_step_max_tokens`), neither with a
@@ -461,12 +490,13 @@ class Step5MoE(nn.Module):
     (:class:`StackedExpertWeight`).
     """
 
-    def __init__(self, config: Step5Config, dtype: torch.dtype) -> None:
+    def __init__(self, config: Step5Config, dtype: torch.dtype, *, layer_index: int) -> None:
         super().__init__()
         c = config
         self.top_k = c.moe_top_k
         self.scaling_factor = c.moe_router_scaling_factor
-        self.limit = c.swiglu_limit
+        self.renormalize = c.moe_renormalize
+        self.limit = c.swiglu_limits(layer_index)[0]
         self.gate = nn.Linear(c.hidden_size, c.moe_num_experts, bias=False, dtype=dtype)
         self.router_bias = nn.Parameter(torch.zeros(c.moe_num_experts, dtype=torch.float32))
         self.gate_proj = StackedExpertWeight(c.moe_num_experts, c.moe_intermediate_size, c.hidden_size, dtype)
@@ -483,7 +513,8 @@ class Step5MoE(nn.Module):
         scores = torch.sigmoid(F.linear(x.float(), self.gate.weight.float())) + self.router_bias
         top, ids = torch.topk(scores, self.top_k, dim=-1)
         weights = top - self.router_bias[ids]
-        weights = weights / (weights.sum(-1, keepdim=True) + ROUTER_RENORM_EPS)
+        if self.renormalize:
+            weights = weights / (weights.sum(-1, keepdim=True) + ROUTER_RENORM_EPS)
         return weights * self.scaling_factor, ids
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -592,11 +623,12 @@ class Step5DecoderLayer(nn.Module):
         self.input_layernorm = ZeroCentredRMSNorm(c.hidden_size, c.rms_norm_eps)
         self.post_attention_layernorm = ZeroCentredRMSNorm(c.hidden_size, c.rms_norm_eps)
         self.self_attn = Step5Attention(c, self.kind, dtype)
+        limit, shared_limit = c.swiglu_limits(layer_index)
         if self.is_moe:
-            self.moe = Step5MoE(c, dtype)
-            self.share_expert = Step5MLP(c.hidden_size, c.share_expert_dim, c.swiglu_limit_shared, dtype)
+            self.moe = Step5MoE(c, dtype, layer_index=layer_index)
+            self.share_expert = Step5MLP(c.hidden_size, c.share_expert_dim, shared_limit, dtype)
         else:
-            self.mlp = Step5MLP(c.hidden_size, c.intermediate_size, c.swiglu_limit, dtype)
+            self.mlp = Step5MLP(c.hidden_size, c.intermediate_size, limit, dtype)
         self.attn = PagedAttentionLayer(
             prefix=f"{prefix}.attn",
             num_kv_heads=c.num_kv_heads,

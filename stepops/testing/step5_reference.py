@@ -107,13 +107,22 @@ def _swiglu(
     return _linear((a * b).to(x.dtype), down, scales[2])
 
 
-def _moe(c: Step5Config, state: Mapping[str, torch.Tensor], prefix: str, h: torch.Tensor) -> torch.Tensor:
-    """Routed experts of ``h [L, hidden]`` bf16 -> bf16: the reference's ``Step4MoE.forward`` CPU path."""
+def _of_layer(limit: float | tuple[float, ...], i: int) -> float:
+    """Layer ``i``'s entry of a per-layer list (the reference's ``swiglu_limits[layer_idx]``), or the one value."""
+    return limit[i] if isinstance(limit, tuple) else limit
+
+
+def _moe(c: Step5Config, state: Mapping[str, torch.Tensor], i: int, h: torch.Tensor) -> torch.Tensor:
+    """Routed experts of layer ``i`` on ``h [L, hidden]`` bf16 -> bf16: the reference's ``Step4MoE.forward``
+    CPU path."""
+    prefix = f"layers.{i}."
     bias = state[f"{prefix}moe.router_bias"].float()
     scores = torch.sigmoid(h.float() @ state[f"{prefix}moe.gate.weight"].float().t()) + bias
     top, ids = torch.topk(scores, c.moe_top_k, dim=-1)
     weights = top - bias[ids]
-    weights = weights / (weights.sum(-1, keepdim=True) + _RENORM_EPS) * c.moe_router_scaling_factor
+    if c.moe_renormalize:  # the reference's norm_expert_weight
+        weights = weights / (weights.sum(-1, keepdim=True) + _RENORM_EPS)
+    weights = weights * c.moe_router_scaling_factor
     names = ("gate_proj", "up_proj", "down_proj")
     experts = [state[f"{prefix}moe.{name}.weight"] for name in names]  # e4m3 codes where a scale is given
     scales = [state.get(f"{prefix}moe.{name}.weight_scale_inv") for name in names]
@@ -122,7 +131,8 @@ def _moe(c: Step5Config, state: Mapping[str, torch.Tensor], prefix: str, h: torc
         rows, slots = (ids == e).nonzero(as_tuple=True)
         if rows.numel():
             expert_scales = tuple(None if scale is None else scale[e] for scale in scales)
-            slot_output[rows, slots] = _swiglu(h[rows], *(w[e] for w in experts), c.swiglu_limit, expert_scales)
+            limit = _of_layer(c.swiglu_limit, i)
+            slot_output[rows, slots] = _swiglu(h[rows], *(w[e] for w in experts), limit, expert_scales)
     out = torch.zeros(h.shape, dtype=torch.float32, device=h.device)
     for slot in range(c.moe_top_k):
         out = out + slot_output[:, slot].float() * weights[:, slot, None]
@@ -214,11 +224,12 @@ def recompute_layer(
     if i in c.moe_layers:
         s = f"{prefix}share_expert."
         shared = _swiglu(h, state[s + "gate_proj.weight"], state[s + "up_proj.weight"], state[s + "down_proj.weight"],
-                         c.swiglu_limit_shared)
+                         _of_layer(c.swiglu_limit_shared, i))
         # Step4DecoderLayer._feed_forward: the two branches are summed in fp32 before the residual add.
-        return x + (_moe(c, state, prefix, h).float() + shared.float()), near
+        return x + (_moe(c, state, i, h).float() + shared.float()), near
     m = f"{prefix}mlp."
-    mlp = _swiglu(h, state[m + "gate_proj.weight"], state[m + "up_proj.weight"], state[m + "down_proj.weight"], c.swiglu_limit)
+    mlp = _swiglu(h, state[m + "gate_proj.weight"], state[m + "up_proj.weight"], state[m + "down_proj.weight"],
+                  _of_layer(c.swiglu_limit, i))
     return x + mlp.float(), near
 
 

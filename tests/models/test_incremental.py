@@ -13,6 +13,8 @@ more and the comparison uses ``model_vs_recompute``. Tokens whose region choice 
 tie are left out (either choice is correct), and there must be few of them.
 """
 
+import math
+
 import pytest
 import torch
 
@@ -80,6 +82,12 @@ def _compare(model, result, state_dict=None):
 _STEP5_CONFIGS = [
     pytest.param(Step5Config(), id="step5"),
     pytest.param(Step5Config(layer_types=("csa",), index_top_k=1, num_speculative_tokens=2), id="step5_csa_top1_k2"),
+    # Per-layer SwiGLU limits (the reference's swiglu_limits lists: each layer reads its own) that clip in every
+    # FFN but the unclamped shared one, and routed weights not renormalised (its norm_expert_weight = false).
+    pytest.param(
+        Step5Config(swiglu_limit=(0.25, 4.0), swiglu_limit_shared=(math.inf, 0.5), moe_renormalize=False),
+        id="step5_per_layer_limits_unnormalised",
+    ),
 ]
 
 

@@ -165,14 +165,15 @@ def test_fp8_experts_compute_the_reference_fp8_gemm(round_inputs, bf16_projectio
 
     config = Step5Config(hidden_size=320, moe_intermediate_size=200)  # ragged 128-blocks along both K
     checkpoint = random_step5_checkpoint(config, seed=0)
-    prefix = f"layers.{config.moe_layers[0]}."
+    layer = config.moe_layers[0]
+    prefix = f"layers.{layer}."
     if bf16_projection:
         name = f"{prefix}moe.{bf16_projection}"
         codes, scale = checkpoint[f"{name}.weight"], checkpoint.pop(f"{name}.weight_scale_inv")
         checkpoint[f"{name}.weight"] = step5.dequantize_fp8_blocks(codes, scale).to(torch.bfloat16)
     model = Step5Model(config)
     load_step5_state_dict(model, checkpoint)
-    moe = model.layers[config.moe_layers[0]].moe
+    moe = model.layers[layer].moe
     assert [moe.gate_proj.fp8, moe.up_proj.fp8, moe.down_proj.fp8] == [
         bf16_projection != "gate_proj", bf16_projection != "up_proj", True
     ]
@@ -182,7 +183,7 @@ def test_fp8_experts_compute_the_reference_fp8_gemm(round_inputs, bf16_projectio
     small = h[: moe.small_step_max_tokens]  # a step that gathers the chosen experts: the other path
     with torch.inference_mode():
         got = torch.cat([moe(h), moe(small)])
-        want = torch.cat([reference._moe(config, checkpoint, prefix, h), reference._moe(config, checkpoint, prefix, small)])
+        want = torch.cat([reference._moe(config, checkpoint, layer, h), reference._moe(config, checkpoint, layer, small)])
     equal = float((got == want).float().mean())
     assert (equal >= _FP8_MOE_EQUAL_FRACTION) == round_inputs, equal
 

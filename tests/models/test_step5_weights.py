@@ -223,6 +223,14 @@ def test_the_released_models_numbers():
         ({"moe_top_k": 5}, ValueError, "exceeds moe_num_experts"),
         ({"layer_types": ("full",)}, ValueError, "layer_types must be"),
         ({"swiglu_limit": 0.0}, ValueError, "swiglu limits"),
+        # per-layer limits (the reference's swiglu_limits): one per layer, each > 0 (inf: no clamp)
+        ({"swiglu_limit_shared": (1.0,)}, ValueError, "swiglu_limit_shared has 1 per-layer limits for 2 layers"),
+        ({"swiglu_limit": (1.0, 0.0)}, ValueError, r"math.inf for no clamp.*swiglu_limit=\(1.0, 0.0\)"),
+        ({"swiglu_limit": (1.0, float("nan"))}, ValueError, "swiglu limits must be > 0"),
+        ({"swiglu_limit": [1.0, 2.0]}, TypeError, "swiglu_limit must be a number or a tuple"),
+        ({"swiglu_limit_shared": (1.0, None)}, TypeError, "swiglu_limit_shared must be a number or a tuple"),
+        ({"swiglu_limit": True}, TypeError, "swiglu_limit must be a number"),
+        ({"moe_renormalize": 1}, TypeError, "moe_renormalize must be a bool"),
         ({"head_dim": 16.0}, TypeError, "head_dim must be an int"),
         # an IntEnum member was taken as its value (ATTN_OUT: 2)
         ({"index_top_k": InklingStream.ATTN_OUT}, TypeError, "index_top_k must be an int, got InklingStream"),
