@@ -128,6 +128,8 @@ class InklingConfig:
     def __post_init__(self) -> None:
         if self.mlp_layer_types is None:
             object.__setattr__(self, "mlp_layer_types", (SPARSE,) * len(self.layer_types))
+        if not self.layer_types:  # transformers runs one (embedding, norm, head); it has no cache to hold
+            raise ValueError("layer_types must name at least one layer (num_hidden_layers >= 1)")
         if any(kind not in (SLIDING, GLOBAL) for kind in self.layer_types):
             raise ValueError(f"layer_types must be {SLIDING!r} or {GLOBAL!r}, got {self.layer_types}")
         if len(self.mlp_layer_types) != len(self.layer_types) or any(

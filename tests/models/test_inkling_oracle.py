@@ -299,6 +299,8 @@ def test_an_alias_next_to_its_name_wins_as_in_transformers(checkpoint, tmp_path)
     [
         (dict(mlp_layer_types=("dense",)), r"mlp_layer_types must give 'dense' or 'sparse' for each of the 2 layers"),
         (dict(layer_types=("sliding", "local")), r"layer_types must be 'sliding' or 'global'"),
+        # was accepted: the runner failed in the allocator ("no layer with get_kv_cache_spec()")
+        (dict(layer_types=()), r"layer_types must name at least one layer \(num_hidden_layers >= 1\)"),
         (dict(num_experts_per_tok=5), r"num_experts_per_tok \(5\) must be in 1..n_routed_experts \(4\)"),
         (dict(n_shared_experts=0), r"sparse MLP layers need n_shared_experts >= 1"),
         (dict(unpadded_vocab_size=0), r"unpadded_vocab_size must be None or >= 1, got 0"),
