@@ -13,7 +13,7 @@ are bf16. Per layer (``docs/models.md`` maps each line to the reference)::
                    w = (Ww h) * Hg**-0.5 [T, G, Hg];  csa_ring_update(ik, iz -> ring, e4m3 summaries)
                    score[t, g, r] = sum_h relu(e4m3(iq[t, g, h]) . summary[r]) * w[t, g, h],  r < own region
                    KV head g attends (causally) to the top-k regions of group g (ties: lower id) + its own
-    x = x + o_proj(attn * sigmoid(g_proj(h)) per head)
+    x = x + o_proj(attn * sigmoid(g_proj(h)) per head)   (o_proj(attn) without head_wise_attn_gate)
     x = x + FFN(bf16(ZCNorm(x)))       FFN: clamped SwiGLU MLP, or routed experts + shared expert (MoE)
 
 The stack ends with the reference's final norm: ``out = ZCNorm(bf16(x))`` in bf16. Caches are owned
@@ -97,6 +97,7 @@ class Step5Config:
     expert's) are one number for every layer or one per layer, as the reference's ``swiglu_limits`` and
     ``swiglu_limits_shared`` lists; :meth:`swiglu_limits` reads a layer's. ``moe_renormalize`` is the
     reference's ``norm_expert_weight``: whether the routed weights are divided by their sum.
+    ``head_wise_attn_gate`` is its ``use_head_wise_attn_gate``: without it, no ``g_proj`` and no gate.
     """
 
     hidden_size: int = 64
@@ -124,6 +125,7 @@ class Step5Config:
     share_expert_dim: int = 32
     moe_router_scaling_factor: float = 3.0
     moe_renormalize: bool = True
+    head_wise_attn_gate: bool = True
     layer_types: tuple[str, ...] = field(default=(SLIDING, CSA))
 
     def __post_init__(self) -> None:
@@ -178,8 +180,9 @@ class Step5Config:
             raise ValueError(f"moe_layers must be distinct layer indices < {len(self.layer_types)}, got {self.moe_layers}")
         if self.moe_top_k > self.moe_num_experts:
             raise ValueError(f"moe_top_k ({self.moe_top_k}) exceeds moe_num_experts ({self.moe_num_experts})")
-        if not isinstance(self.moe_renormalize, bool):
-            raise TypeError(f"moe_renormalize must be a bool, got {self.moe_renormalize!r}")
+        for name in ("moe_renormalize", "head_wise_attn_gate"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
         for name in ("swiglu_limit", "swiglu_limit_shared"):
             self._check_swiglu_limit(name, getattr(self, name))
 
@@ -577,7 +580,8 @@ class Step5Attention(nn.Module):
         self.k_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=False, dtype=dtype)
         self.v_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=False, dtype=dtype)
         self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=False, dtype=dtype)
-        self.g_proj = nn.Linear(c.hidden_size, c.num_heads, bias=False, dtype=dtype)
+        if c.head_wise_attn_gate:
+            self.g_proj = nn.Linear(c.hidden_size, c.num_heads, bias=False, dtype=dtype)
         self.q_norm = ZeroCentredRMSNorm(c.head_dim, c.rms_norm_eps)
         self.k_norm = ZeroCentredRMSNorm(c.head_dim, c.rms_norm_eps)
         theta, scaling = c.rope_theta(kind), c.rope_scaling(kind)
@@ -687,8 +691,9 @@ class Step5DecoderLayer(nn.Module):
         else:
             regions = self._select_regions(h, metadata)  # [T, G, index_top_k]
             out = sparse_region_attention(q, kv_cache, table, metadata.token, regions, scale=scale)
-        gate = torch.sigmoid(attn.g_proj(h))[:, :, None]
-        return attn.o_proj((out * gate).flatten(1))
+        if c.head_wise_attn_gate:
+            out = out * torch.sigmoid(attn.g_proj(h))[:, :, None]
+        return attn.o_proj(out.flatten(1))
 
     def _select_regions(self, h: torch.Tensor, metadata: Step5StepMetadata) -> torch.Tensor:
         """Run the CSA indexer; return ``[T, G, index_top_k]`` int64: the regions KV group ``g`` of each token

@@ -62,10 +62,10 @@ def random_step5_checkpoint(config: Step5Config, seed: int, *, fp8_experts: bool
             a + "k_proj.weight": linear(c.num_kv_heads * c.head_dim, c.hidden_size),
             a + "v_proj.weight": linear(c.num_kv_heads * c.head_dim, c.hidden_size),
             a + "o_proj.weight": linear(c.hidden_size, c.num_heads * c.head_dim),
-            a + "g_proj.weight": linear(c.num_heads, c.hidden_size),
-            a + "q_norm.weight": near(0.0, c.head_dim),
-            a + "k_norm.weight": near(0.0, c.head_dim),
         }
+        if c.head_wise_attn_gate:
+            state[a + "g_proj.weight"] = linear(c.num_heads, c.hidden_size)
+        state |= {a + "q_norm.weight": near(0.0, c.head_dim), a + "k_norm.weight": near(0.0, c.head_dim)}
         if kind == CSA:
             d = c.index_proxy_dim
             state |= {

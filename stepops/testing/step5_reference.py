@@ -218,7 +218,8 @@ def recompute_layer(
     # weights exp(s - max) rounded to bf16 into P V (``tl.dot(probabilities.to(values.dtype), values)``).
     keys, values = (t.to(torch.bfloat16)[None].expand(length, -1, -1, -1) for t in (k, v))
     attn = masked_attention(q.to(torch.bfloat16), keys, values, allowed.transpose(0, 1).to(x.device), dim**-0.5)
-    attn = attn * torch.sigmoid(F.linear(h, state[a + "g_proj.weight"]))[:, :, None]
+    if c.head_wise_attn_gate:  # Step4Attention._gate_and_project
+        attn = attn * torch.sigmoid(F.linear(h, state[a + "g_proj.weight"]))[:, :, None]
     x = x + F.linear(attn.reshape(length, heads * dim), state[a + "o_proj.weight"]).float()
     h = _norm(x, state[prefix + "post_attention_layernorm.weight"], c.rms_norm_eps).to(torch.bfloat16)
     if i in c.moe_layers:

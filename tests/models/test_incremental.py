@@ -92,6 +92,8 @@ _STEP5_CONFIGS = [
         Step5Config(swiglu_limit=(0.25, 4.0), swiglu_limit_shared=(math.inf, 0.5), moe_renormalize=False),
         id="step5_per_layer_limits_unnormalised",
     ),
+    # The reference's use_head_wise_attn_gate = false: no g_proj in the checkpoint, no gate.
+    pytest.param(Step5Config(head_wise_attn_gate=False), id="step5_no_attn_gate"),
 ]
 
 

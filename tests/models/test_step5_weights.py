@@ -231,6 +231,7 @@ def test_the_released_models_numbers():
         ({"swiglu_limit_shared": (1.0, None)}, TypeError, "swiglu_limit_shared must be a number or a tuple"),
         ({"swiglu_limit": True}, TypeError, "swiglu_limit must be a number"),
         ({"moe_renormalize": 1}, TypeError, "moe_renormalize must be a bool"),
+        ({"head_wise_attn_gate": None}, TypeError, "head_wise_attn_gate must be a bool"),
         ({"head_dim": 16.0}, TypeError, "head_dim must be an int"),
         # an IntEnum member was taken as its value (ATTN_OUT: 2)
         ({"index_top_k": InklingStream.ATTN_OUT}, TypeError, "index_top_k must be an int, got InklingStream"),
