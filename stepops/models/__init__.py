@@ -9,7 +9,8 @@
   collectives, the generic state-dict slicer, ``spawn_ranks``); imports no model.
 - :mod:`stepops.models.metadata`: the step's fixed-size buffers and the on-device metadata builders.
 - :mod:`stepops.models.runner`: :class:`StepRunner` (eager, compiled, CUDA graphs) and the scripted workload.
-- :mod:`stepops.models.step5_weights`: loading a Step5 checkpoint in StepFun's reference names (fp8 experts).
+- :mod:`stepops.models.step5_weights`: loading a Step5 checkpoint in StepFun's reference names (fp8 experts)
+  and reading its ``config.json`` into a :class:`Step5Config`.
 - :mod:`stepops.models.paged_attention`: attention over the paged KV cache (full, sliding window, CSA
   regions) and the indexer's streaming top-k, with memory independent of the context length.
 - :mod:`stepops.models.moe`: the step sizes at which both models' MoE blocks run only the chosen experts.

@@ -1,5 +1,9 @@
 """Load a Step5 checkpoint in StepFun's reference names into :class:`~stepops.models.step5.Step5Model`.
 
+:func:`step5_config_from_reference` reads the checkpoint's ``config.json`` (the reference's ``Step4Config``
+keys) into a :class:`~stepops.models.step5.Step5Config`; a setting the model cannot compute is a
+``ValueError`` naming it.
+
 The model's parameters carry the checkpoint's names (``layers.{i}.input_layernorm.weight``,
 ``layers.{i}.self_attn.{q,k,v,o,g}_proj.weight``, ``...self_attn.sparse_indexer_{q,k,z,w}.weight``,
 ``...mlp.*``, ``...moe.gate.weight``, ``...moe.router_bias``, ``...moe.{gate,up,down}_proj.weight``,
@@ -13,13 +17,22 @@ parameter the checkpoint lacks, is a ``ValueError`` listing them all.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from stepops.models.dtypes import tensor_dtypes
-from stepops.models.step5 import StackedExpertWeight, Step5Model, check_fp8_blocks
+from stepops.models.step5 import (
+    CSA,
+    SLIDING,
+    Llama3RopeScaling,
+    StackedExpertWeight,
+    Step5Config,
+    Step5Model,
+    check_fp8_blocks,
+)
 
 SCALE_SUFFIX = ".weight_scale_inv"
 # In the checkpoint but read by nothing: the reference registers ssmax_s at its initial value and its
@@ -89,3 +102,160 @@ def load_step5_safetensors(model: Step5Model, directory: str | Path, *, prefix: 
                 raise ValueError(f"{key} is in more than one file of {directory}")
             state_dict[key] = tensor
     load_step5_state_dict(model, state_dict, prefix=prefix)
+
+
+# The reference's layer type names; "full_attention" layers run CSA (its sparse_config.apply_to_layer_types).
+_REFERENCE_LAYER_TYPES = {"sliding_attention": SLIDING, "full_attention": CSA}
+# Settings the reference allows and Step5 fixes: (where, key, the only value read, its default in Step4Config).
+_FIXED = (
+    ("", "fp32_residual_connection", True, True),
+    ("", "use_moe_router_bias", True, True),
+    ("", "need_fp32_gate", True, True),
+    ("", "tp_size", 1, 1),
+    ("sparse_config.", "enabled", True, True),
+    ("sparse_config.", "proxy_dim", 256, 256),
+    ("sparse_config.", "region_block_size", 8, 8),
+    ("sparse_config.", "sparse_indexer_num_k_heads", 1, 1),
+    ("sparse_config.", "sparse_indexer_use_rope", True, True),
+    ("sparse_config.", "sparse_indexer_q_norm_type", "rmsnorm", "rmsnorm"),
+    ("sparse_config.", "sparse_indexer_k_norm_type", "layernorm", "layernorm"),
+    ("sparse_config.", "sparse_indexer_csa_z_norm_type", "none", "none"),
+    ("sparse_config.", "compression_method", "csa_block_compress", "csa_block_compress"),
+    ("sparse_config.", "attention_impl", "sparse_gqa", "sparse_gqa"),
+)  # fmt: skip
+_DEFAULT_SWIGLU_LIMIT = 7.0  # Step4MoE / Step4DecoderLayer when swiglu_limits is empty
+
+
+def step5_config_from_reference(config: Mapping[str, Any], *, num_speculative_tokens: int = 3) -> Step5Config:
+    """A :class:`~stepops.models.step5.Step5Config` from a Step5 checkpoint's ``config.json`` object, read as
+    the reference's ``Step4Config`` reads it (the table in ``docs/models.md``). The main stack's
+    ``num_hidden_layers`` layers are built; the trailing multi-token-prediction entries of the per-layer lists
+    are not read. ``num_speculative_tokens`` is the serving setting the ring is sized for (not in the config).
+
+    ``ValueError`` naming the key for a missing geometry key, a layer type or rope setting without a mapping
+    (values that vary within a layer kind, llama3 scaling on sliding layers, another scaling type), a
+    non-positive SwiGLU limit, and a setting the model fixes (``sparse_config.region_block_size`` 8 ...) set to
+    another value."""
+    c = dict(config)
+    sparse = dict(c.get("sparse_config") or {})
+    for where, key, value, default in _FIXED:
+        got = (sparse if where else c).get(key, default)
+        if got != value:
+            raise ValueError(f"{where}{key} = {got!r} is not supported: Step5 runs with {value!r}")
+    try:
+        num_layers = c["num_hidden_layers"]
+        total = num_layers + c.get("num_nextn_predict_layers", 1)
+        kinds = _layer_kinds(c.get("layer_types") or ["full_attention"] * total, num_layers, total, sparse)
+        theta, rotary, scaling = _rope_by_kind(c, kinds, total)
+        heads = dict(num_heads=c["num_attention_heads"], num_kv_heads=c["num_attention_groups"])
+        if CSA in kinds:
+            if sparse.get("num_provider_groups", 4) != heads["num_kv_heads"]:
+                raise ValueError(
+                    f"sparse_config.num_provider_groups ({sparse.get('num_provider_groups', 4)}) must equal "
+                    f"num_attention_groups ({heads['num_kv_heads']}): the indexer's groups are the KV heads"
+                )
+            heads |= dict(index_num_heads=sparse.get("sparse_indexer_num_heads", 16),
+                          index_rope_dim=sparse.get("sparse_indexer_rope_dim", 32), index_top_k=sparse.get("topk", 512))
+        return Step5Config(
+            **heads,
+            hidden_size=c["hidden_size"],
+            head_dim=c["head_dim"],
+            intermediate_size=c["intermediate_size"],
+            sliding_window=c.get("sliding_window", 512) if SLIDING in kinds else Step5Config.sliding_window,
+            num_speculative_tokens=num_speculative_tokens,
+            rms_norm_eps=c.get("rms_norm_eps", 1e-5),
+            **theta,
+            **rotary,
+            csa_rope_scaling=scaling,
+            swiglu_limit=_swiglu_limits(c, "swiglu_limits", num_layers),
+            swiglu_limit_shared=_swiglu_limits(c, "swiglu_limits_shared", num_layers),
+            moe_layers=tuple(i for i in c.get("moe_layer_list") or () if i < num_layers) if c.get("use_moe", True) else (),
+            moe_num_experts=c["moe_num_experts"],
+            moe_top_k=c["moe_top_k"],
+            moe_intermediate_size=c["moe_intermediate_size"],
+            share_expert_dim=c["share_expert_dim"],
+            moe_router_scaling_factor=c.get("moe_router_scaling_factor", 3.0),
+            moe_renormalize=c.get("norm_expert_weight", True),
+            head_wise_attn_gate=c.get("use_head_wise_attn_gate", True),
+            layer_types=kinds,
+        )
+    except KeyError as missing:
+        raise ValueError(f"the Step5 config has no {missing.args[0]!r}") from None
+
+
+def _per_layer(c: Mapping[str, Any], key: str, default: Any, total: int) -> Sequence[Any]:
+    """``c[key]`` as one value per layer (MTP layers included): a list as given, a number repeated."""
+    value = c.get(key)
+    if value is None:
+        return [default] * total
+    if not isinstance(value, (list, tuple)):
+        return [value] * total
+    if len(value) != total:
+        raise ValueError(f"{key} has {len(value)} entries; the config has {total} layers (MTP included)")
+    return value
+
+
+def _layer_kinds(types: Sequence[str], num_layers: int, total: int, sparse: Mapping[str, Any]) -> tuple[str, ...]:
+    if len(types) != total:
+        raise ValueError(f"layer_types has {len(types)} entries; the config has {total} layers (MTP included)")
+    unknown = sorted({t for t in types[:num_layers] if t not in _REFERENCE_LAYER_TYPES})
+    if unknown:
+        raise ValueError(f"layer_types {unknown} have no Step5 layer (sliding_attention or full_attention)")
+    applied = sparse.get("apply_to_layer_types") or ["full_attention"]
+    if "full_attention" in types[:num_layers] and ("full_attention" not in applied or not sparse):
+        raise ValueError("full_attention layers without the sparse indexer (sparse_config) are dense: not Step5's CSA")
+    if "sliding_attention" in applied:
+        raise ValueError("sparse_config.apply_to_layer_types names sliding_attention: Step5's sliding layers are dense")
+    return tuple(_REFERENCE_LAYER_TYPES[t] for t in types[:num_layers])
+
+
+def _rope_by_kind(c: Mapping[str, Any], kinds: tuple[str, ...], total: int) -> tuple[dict, dict, Llama3RopeScaling | None]:
+    """Each kind's rope theta and rotary share (one value per kind, as Step5Config holds them) and the llama3
+    scaling of the CSA layers (``rope_scaling``, applied where ``yarn_only_types`` lists the layer's type)."""
+    thetas = _per_layer(c, "rope_theta", 10000.0, total)
+    factors = _per_layer(c, "partial_rotary_factors", 1.0, total)
+    theta, rotary = {}, {}
+    for kind, theta_key in ((SLIDING, "sliding_rope_theta"), (CSA, "csa_rope_theta")):
+        layers = [i for i, k in enumerate(kinds) if k == kind]
+        for key, values in (("rope_theta", thetas), ("partial_rotary_factors", factors)):
+            if len({values[i] for i in layers}) > 1:
+                raise ValueError(f"{key} varies across the {kind} layers: Step5Config holds one value per layer kind")
+        if layers:
+            theta[theta_key] = thetas[layers[0]]
+            if kind == CSA:
+                rotary["csa_partial_rotary_factor"] = factors[layers[0]]
+            elif factors[layers[0]] != 1.0:
+                raise ValueError(f"partial_rotary_factors {factors[layers[0]]} on sliding layers: they rotate the whole head")
+    scaling = c.get("rope_scaling")
+    if scaling is None:
+        return theta, rotary, None
+    scaled = set(c.get("yarn_only_types") or _REFERENCE_LAYER_TYPES)
+    if "sliding_attention" in scaled and SLIDING in kinds:
+        raise ValueError("rope_scaling applies to the sliding layers (yarn_only_types): Step5 scales only the CSA layers")
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind != "llama3":
+        raise ValueError(f"rope_scaling of type {kind!r} is not supported (llama3 only)")
+    if "full_attention" not in scaled:
+        return theta, rotary, None
+    return theta, rotary, Llama3RopeScaling(
+        scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"],
+        scaling["original_max_position_embeddings"],
+    )  # fmt: skip
+
+
+def _swiglu_limits(c: Mapping[str, Any], key: str, num_layers: int) -> float | tuple[float, ...]:
+    """The main stack's limits of ``swiglu_limits`` or ``swiglu_limits_shared``: 7.0 for every layer when the
+    list is empty (as the reference), else one per layer; a limit <= 0 has no Step5 reading."""
+    limits = c.get(key) or []
+    if not limits:
+        return _DEFAULT_SWIGLU_LIMIT
+    if len(limits) < num_layers:
+        raise ValueError(f"{key} has {len(limits)} entries for {num_layers} layers")
+    main = tuple(limits[:num_layers])
+    bad = [(i, x) for i, x in enumerate(main) if not (isinstance(x, (int, float)) and x > 0)]
+    if bad:
+        raise ValueError(
+            f"{key}: layer {bad[0][0]} has {bad[0][1]!r}; Step-4's reference clamps to 0 there (the FFN's output "
+            "is 0) and Step-3.5's readers skip the clamp. Edit the config to the limit you mean (math.inf: none)"
+        )
+    return tuple(float(x) for x in main)

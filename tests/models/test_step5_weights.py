@@ -1,6 +1,8 @@
 """Step5 checkpoints in StepFun's reference names: loading, fp8 expert dequantisation, clear errors; the
 config's checks and the released model's numbers."""
 
+import dataclasses
+
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -8,7 +10,7 @@ from safetensors.torch import save_file
 from stepops.layouts import InklingStream
 from stepops.models import Step5Config, Step5Model
 from stepops.models.step5 import CSA, SLIDING, STEP5_REFERENCE, Llama3RopeScaling, check_fp8_blocks, dequantize_fp8_blocks
-from stepops.models.step5_weights import load_step5_safetensors, load_step5_state_dict
+from stepops.models.step5_weights import load_step5_safetensors, load_step5_state_dict, step5_config_from_reference
 from stepops.testing.step5_checkpoint import random_step5_checkpoint
 
 _CONFIG = Step5Config()  # layer 0: sliding + MoE, layer 1: CSA + dense MLP
@@ -292,3 +294,102 @@ def test_summary_cache_binding_checks():
         csa.bind_summary_cache(torch.zeros(16, 128, dtype=torch.uint8))
     with pytest.raises(ValueError, match="only CSA layers"):
         sliding.bind_summary_cache(torch.zeros(16, 256, dtype=torch.uint8))
+
+
+def _reference_config(types: list[str], **overrides) -> dict:
+    """A checkpoint config.json object in the reference's Step4Config keys: ``types`` per layer, the last one
+    the MTP layer's; a CSA layer's rope 5e6 over a third of the head, a sliding one's 1e4 over all of it."""
+    full = [t == "full_attention" for t in types]
+    return {
+        "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": len(types) - 1,
+        "num_nextn_predict_layers": 1, "num_attention_heads": 4, "num_attention_groups": 2, "head_dim": 48,
+        "rms_norm_eps": 1e-6, "sliding_window": 24, "layer_types": types,
+        "rope_theta": [5e6 if f else 1e4 for f in full], "partial_rotary_factors": [1 / 3 if f else 1.0 for f in full],
+        "moe_layer_list": [0], "moe_num_experts": 4, "moe_top_k": 2, "moe_intermediate_size": 32, "share_expert_dim": 32,
+        "sparse_config": {"proxy_dim": 256, "sparse_indexer_rope_dim": 32, "sparse_indexer_num_heads": 8,
+                          "num_provider_groups": 2, "topk": 3, "region_block_size": 8},
+        **overrides,
+    }  # fmt: skip
+
+
+def test_the_released_config_reads_as_step5_reference():
+    types = ["full_attention" if i % 4 == 3 else "sliding_attention" for i in range(92)] + ["full_attention"]
+    release = _reference_config(
+        types, hidden_size=4096, intermediate_size=13824, num_attention_heads=64, num_attention_groups=4,
+        head_dim=192, rms_norm_eps=1e-5, sliding_window=512, moe_layer_list=list(range(3, 91)), moe_num_experts=352,
+        moe_top_k=8, moe_intermediate_size=1536, share_expert_dim=1536, swiglu_limits=[7.0] * 93,
+        swiglu_limits_shared=[7.0] * 93, yarn_only_types=["full_attention"],
+        rope_scaling={"rope_type": "llama3", "factor": 2.0, "low_freq_factor": 1.0, "high_freq_factor": 32.0,
+                      "original_max_position_embeddings": 131072},
+        sparse_config={"proxy_dim": 256, "sparse_indexer_rope_dim": 32, "sparse_indexer_num_heads": 16,
+                       "num_provider_groups": 4, "topk": 512, "region_block_size": 8},
+    )  # fmt: skip
+    per_layer_7 = dict(swiglu_limit=(7.0,) * 92, swiglu_limit_shared=(7.0,) * 92)
+    assert step5_config_from_reference(release) == dataclasses.replace(STEP5_REFERENCE, **per_layer_7)
+
+
+def test_a_config_reads_per_layer_settings_as_the_reference():
+    """The main stack's entries of the per-layer lists (the MTP layer's last entry is not read), MoE layers of
+    the main stack, the flags, and a CSA stack's sliding_window left alone; empty limit lists are 7.0."""
+    types = ["sliding_attention", "full_attention", "full_attention"]
+    reference = _reference_config(
+        types, swiglu_limits=[0.5, 3.0, 9.0], swiglu_limits_shared=[2.0, 1.5, 9.0], moe_layer_list=[0, 2],
+        norm_expert_weight=False, use_head_wise_attn_gate=False, rope_theta=[2e4, 1e6, 1e6],
+        partial_rotary_factors=[1.0, 0.5, 0.25],
+    )  # fmt: skip
+    want = Step5Config(
+        hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=48, intermediate_size=128, sliding_window=24,
+        index_num_heads=8, index_rope_dim=32, index_top_k=3, num_speculative_tokens=2, rms_norm_eps=1e-6,
+        sliding_rope_theta=2e4, csa_rope_theta=1e6, csa_partial_rotary_factor=0.5, csa_rope_scaling=None,
+        swiglu_limit=(0.5, 3.0), swiglu_limit_shared=(2.0, 1.5), moe_layers=(0,), moe_renormalize=False,
+        head_wise_attn_gate=False, layer_types=(SLIDING, CSA),
+    )  # fmt: skip
+    assert step5_config_from_reference(reference, num_speculative_tokens=2) == want
+    no_lists = _reference_config(["full_attention", "full_attention"], sliding_window=None, use_moe=False)
+    config = step5_config_from_reference(no_lists)
+    assert (config.swiglu_limit, config.swiglu_limit_shared, config.moe_layers) == (7.0, 7.0, ())
+    assert config.layer_types == (CSA,) and config.sliding_window == Step5Config().sliding_window
+
+
+_TYPES = ["sliding_attention", "full_attention", "full_attention"]
+
+
+@pytest.mark.parametrize(
+    "overrides, match",
+    [
+        ({"tp_size": 8}, r"tp_size = 8 is not supported: Step5 runs with 1"),
+        ({"fp32_residual_connection": False}, r"fp32_residual_connection = False is not supported"),
+        ({"sparse_config": {"region_block_size": 16}}, r"sparse_config.region_block_size = 16 is not supported"),
+        ({"sparse_config": {"sparse_indexer_num_k_heads": 2}}, r"sparse_config.sparse_indexer_num_k_heads = 2"),
+        ({"sparse_config": None}, r"full_attention layers without the sparse indexer"),
+        ({"sparse_config": {"apply_to_layer_types": ["sliding_attention", "full_attention"], "num_provider_groups": 2}},
+         r"apply_to_layer_types names sliding_attention"),
+        ({"sparse_config": {"num_provider_groups": 4}}, r"num_provider_groups \(4\) must equal num_attention_groups \(2\)"),
+        ({"layer_types": _TYPES[:2]}, r"layer_types has 2 entries; the config has 3 layers"),
+        ({"layer_types": ["linear_attention"] + _TYPES[1:]}, r"layer_types \['linear_attention'\] have no Step5 layer"),
+        ({"layer_types": _TYPES + ["full_attention"], "num_hidden_layers": 3, "rope_theta": [1e4, 5e6, 1e6, 5e6],
+          "partial_rotary_factors": [1.0, 1 / 3, 1 / 3, 1 / 3]}, r"rope_theta varies across the csa layers"),
+        ({"rope_theta": [1e4, 5e6]}, r"rope_theta has 2 entries; the config has 3 layers"),
+        ({"partial_rotary_factors": [0.5, 1 / 3, 1 / 3]}, r"partial_rotary_factors 0.5 on sliding layers"),
+        ({"rope_scaling": {"rope_type": "llama3", "factor": 2.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                           "original_max_position_embeddings": 64}}, r"rope_scaling applies to the sliding layers"),
+        ({"rope_scaling": {"rope_type": "yarn", "factor": 2.0}, "yarn_only_types": ["full_attention"]},
+         r"rope_scaling of type 'yarn' is not supported"),
+        ({"swiglu_limits": [1.0, 0, 1.0]}, r"swiglu_limits: layer 1 has 0; Step-4's reference clamps to 0"),
+        ({"swiglu_limits_shared": [1.0]}, r"swiglu_limits_shared has 1 entries for 2 layers"),
+        ({"hidden_size": None}, r"hidden_size must be an int"),
+    ],
+)  # fmt: skip
+def test_configs_without_a_step5_reading_are_refused_by_key(overrides, match):
+    reference = _reference_config(_TYPES, **overrides)
+    if "sparse_config" in overrides and overrides["sparse_config"] is not None:
+        reference["sparse_config"] = {**_reference_config(_TYPES)["sparse_config"], **overrides["sparse_config"]}
+    with pytest.raises((ValueError, TypeError), match=match):
+        step5_config_from_reference(reference)
+
+
+def test_a_config_missing_a_geometry_key_names_it():
+    reference = _reference_config(_TYPES)
+    del reference["head_dim"]
+    with pytest.raises(ValueError, match=r"the Step5 config has no 'head_dim'"):
+        step5_config_from_reference(reference)
