@@ -33,6 +33,7 @@ from stepops.models.step5 import (
     Step5Model,
     check_fp8_blocks,
 )
+from stepops.specs import check_int
 
 SCALE_SUFFIX = ".weight_scale_inv"
 # In the checkpoint but read by nothing: the reference registers ssmax_s at its initial value and its
@@ -106,22 +107,23 @@ def load_step5_safetensors(model: Step5Model, directory: str | Path, *, prefix: 
 
 # The reference's layer type names; "full_attention" layers run CSA (its sparse_config.apply_to_layer_types).
 _REFERENCE_LAYER_TYPES = {"sliding_attention": SLIDING, "full_attention": CSA}
-# Settings the reference allows and Step5 fixes: (where, key, the only value read, its default in Step4Config).
+# Settings the reference allows and Step5 fixes, as (where, key, the one value read, which is also the
+# reference's default).
 _FIXED = (
-    ("", "fp32_residual_connection", True, True),
-    ("", "use_moe_router_bias", True, True),
-    ("", "need_fp32_gate", True, True),
-    ("", "tp_size", 1, 1),
-    ("sparse_config.", "enabled", True, True),
-    ("sparse_config.", "proxy_dim", 256, 256),
-    ("sparse_config.", "region_block_size", 8, 8),
-    ("sparse_config.", "sparse_indexer_num_k_heads", 1, 1),
-    ("sparse_config.", "sparse_indexer_use_rope", True, True),
-    ("sparse_config.", "sparse_indexer_q_norm_type", "rmsnorm", "rmsnorm"),
-    ("sparse_config.", "sparse_indexer_k_norm_type", "layernorm", "layernorm"),
-    ("sparse_config.", "sparse_indexer_csa_z_norm_type", "none", "none"),
-    ("sparse_config.", "compression_method", "csa_block_compress", "csa_block_compress"),
-    ("sparse_config.", "attention_impl", "sparse_gqa", "sparse_gqa"),
+    ("", "fp32_residual_connection", True),
+    ("", "use_moe_router_bias", True),
+    ("", "need_fp32_gate", True),
+    ("", "tp_size", 1),
+    ("sparse_config.", "enabled", True),
+    ("sparse_config.", "proxy_dim", 256),
+    ("sparse_config.", "region_block_size", 8),
+    ("sparse_config.", "sparse_indexer_num_k_heads", 1),
+    ("sparse_config.", "sparse_indexer_use_rope", True),
+    ("sparse_config.", "sparse_indexer_q_norm_type", "rmsnorm"),
+    ("sparse_config.", "sparse_indexer_k_norm_type", "layernorm"),
+    ("sparse_config.", "sparse_indexer_csa_z_norm_type", "none"),
+    ("sparse_config.", "compression_method", "csa_block_compress"),
+    ("sparse_config.", "attention_impl", "sparse_gqa"),
 )  # fmt: skip
 _DEFAULT_SWIGLU_LIMIT = 7.0  # Step4MoE / Step4DecoderLayer when swiglu_limits is empty
 
@@ -138,13 +140,15 @@ def step5_config_from_reference(config: Mapping[str, Any], *, num_speculative_to
     another value."""
     c = dict(config)
     sparse = dict(c.get("sparse_config") or {})
-    for where, key, value, default in _FIXED:
-        got = (sparse if where else c).get(key, default)
+    for where, key, value in _FIXED:
+        got = (sparse if where else c).get(key, value)
         if got != value:
             raise ValueError(f"{where}{key} = {got!r} is not supported: Step5 runs with {value!r}")
     try:
-        num_layers = c["num_hidden_layers"]
-        total = num_layers + c.get("num_nextn_predict_layers", 1)
+        num_layers, num_mtp = c["num_hidden_layers"], c.get("num_nextn_predict_layers", 1)
+        check_int("num_hidden_layers", num_layers, 1)
+        check_int("num_nextn_predict_layers", num_mtp, 0)
+        total = num_layers + num_mtp
         kinds = _layer_kinds(c.get("layer_types") or ["full_attention"] * total, num_layers, total, sparse)
         theta, rotary, scaling = _rope_by_kind(c, kinds, total)
         heads = dict(num_heads=c["num_attention_heads"], num_kv_heads=c["num_attention_groups"])

@@ -378,6 +378,7 @@ _TYPES = ["sliding_attention", "full_attention", "full_attention"]
         ({"swiglu_limits": [1.0, 0, 1.0]}, r"swiglu_limits: layer 1 has 0; Step-4's reference clamps to 0"),
         ({"swiglu_limits_shared": [1.0]}, r"swiglu_limits_shared has 1 entries for 2 layers"),
         ({"hidden_size": None}, r"hidden_size must be an int"),
+        ({"num_hidden_layers": "2"}, r"num_hidden_layers must be an int, got str"),
     ],
 )  # fmt: skip
 def test_configs_without_a_step5_reading_are_refused_by_key(overrides, match):
