@@ -195,16 +195,17 @@ class Step5Config:
             raise ValueError(f"{name} has {len(limit)} per-layer limits for {len(self.layer_types)} layers")
         if not all(x > 0 for x in limits):  # NaN fails too
             raise ValueError(
-                f"swiglu limits must be > 0 (math.inf for no clamp, which configs that write 0 for none mean), "
+                f"swiglu limits must be > 0 (math.inf for no clamp, which a 0 means in Step-3.5's configs), "
                 f"got {name}={limit!r}"
             )
 
     def swiglu_limits(self, layer_index: int) -> tuple[float, float]:
         """Layer ``layer_index``'s SwiGLU limits: (dense MLP or routed experts, shared expert)."""
-        return tuple(  # type: ignore[return-value]
-            limit[layer_index] if isinstance(limit, tuple) else limit
-            for limit in (self.swiglu_limit, self.swiglu_limit_shared)
-        )
+
+        def of_layer(limit: float | tuple[float, ...]) -> float:
+            return limit[layer_index] if isinstance(limit, tuple) else limit
+
+        return of_layer(self.swiglu_limit), of_layer(self.swiglu_limit_shared)
 
     @property
     def index_heads_per_group(self) -> int:
