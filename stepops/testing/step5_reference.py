@@ -126,12 +126,12 @@ def _moe(c: Step5Config, state: Mapping[str, torch.Tensor], i: int, h: torch.Ten
     names = ("gate_proj", "up_proj", "down_proj")
     experts = [state[f"{prefix}moe.{name}.weight"] for name in names]  # e4m3 codes where a scale is given
     scales = [state.get(f"{prefix}moe.{name}.weight_scale_inv") for name in names]
+    limit = _of_layer(c.swiglu_limit, i)
     slot_output = torch.zeros(h.shape[0], c.moe_top_k, h.shape[1], dtype=h.dtype, device=h.device)
     for e in range(c.moe_num_experts):
         rows, slots = (ids == e).nonzero(as_tuple=True)
         if rows.numel():
             expert_scales = tuple(None if scale is None else scale[e] for scale in scales)
-            limit = _of_layer(c.swiglu_limit, i)
             slot_output[rows, slots] = _swiglu(h[rows], *(w[e] for w in experts), limit, expert_scales)
     out = torch.zeros(h.shape, dtype=torch.float32, device=h.device)
     for slot in range(c.moe_top_k):
