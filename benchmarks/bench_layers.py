@@ -110,11 +110,12 @@ def run_moe_blocks(settings: Settings, log: Callable[[str], None]) -> list[dict[
 
     device = settings.device
     hidden, inner = (1024, 704) if device.type == "cuda" else (512, 256)
+    step5_config = Step5Config(hidden_size=hidden, moe_num_experts=MOE_EXPERTS, moe_top_k=MOE_TOP_K,
+                               moe_intermediate_size=inner)
     blocks = [
         ("inkling", InklingMoE(InklingConfig(hidden_size=hidden, n_routed_experts=MOE_EXPERTS,
                                              num_experts_per_tok=MOE_TOP_K), inner, torch.bfloat16)),
-        ("step5", Step5MoE(Step5Config(hidden_size=hidden, moe_num_experts=MOE_EXPERTS, moe_top_k=MOE_TOP_K,
-                                       moe_intermediate_size=inner), torch.bfloat16, layer_index=0)),
+        ("step5", Step5MoE(step5_config, torch.bfloat16, step5_config.swiglu_limit)),
     ]
     rows = []
     gen = torch.Generator().manual_seed(0)

@@ -473,7 +473,7 @@ class Step5MoE(nn.Module):
 
     Routing: ``s = sigmoid(x W_gate^T) + bias`` in fp32, the top-k experts by ``s``, weights ``s - bias``
     renormalised to sum 1 (``moe_renormalize``, as in the release) and scaled by ``moe_router_scaling_factor``.
-    Each chosen expert's clamped SwiGLU output (bf16; layer ``layer_index``'s limit) is summed in slot order
+    Each chosen expert's clamped SwiGLU output (bf16; ``limit``, its layer's) is summed in slot order
     (best expert first) with an fp32 accumulator and rounded once to bf16, as the reference's
     ``Step4MoE.forward``.
 
@@ -494,13 +494,13 @@ class Step5MoE(nn.Module):
     (:class:`StackedExpertWeight`).
     """
 
-    def __init__(self, config: Step5Config, dtype: torch.dtype, *, layer_index: int) -> None:
+    def __init__(self, config: Step5Config, dtype: torch.dtype, limit: float) -> None:
         super().__init__()
         c = config
         self.top_k = c.moe_top_k
         self.scaling_factor = c.moe_router_scaling_factor
         self.renormalize = c.moe_renormalize
-        self.limit = c.swiglu_limits(layer_index)[0]
+        self.limit = limit
         self.gate = nn.Linear(c.hidden_size, c.moe_num_experts, bias=False, dtype=dtype)
         self.router_bias = nn.Parameter(torch.zeros(c.moe_num_experts, dtype=torch.float32))
         self.gate_proj = StackedExpertWeight(c.moe_num_experts, c.moe_intermediate_size, c.hidden_size, dtype)
@@ -630,7 +630,7 @@ class Step5DecoderLayer(nn.Module):
         self.self_attn = Step5Attention(c, self.kind, dtype)
         limit, shared_limit = c.swiglu_limits(layer_index)
         if self.is_moe:
-            self.moe = Step5MoE(c, dtype, layer_index=layer_index)
+            self.moe = Step5MoE(c, dtype, limit)
             self.share_expert = Step5MLP(c.hidden_size, c.share_expert_dim, shared_limit, dtype)
         else:
             self.mlp = Step5MLP(c.hidden_size, c.intermediate_size, limit, dtype)

@@ -44,7 +44,7 @@ def _inkling_moe(num_experts: int, top_k: int, dtype: torch.dtype) -> InklingMoE
 def _step5_moe(num_experts: int, top_k: int, dtype: torch.dtype) -> Step5MoE:
     config = Step5Config(moe_num_experts=num_experts, moe_top_k=top_k)
     assert config.hidden_size == HIDDEN
-    moe = Step5MoE(config, dtype, layer_index=0)
+    moe = Step5MoE(config, dtype, config.swiglu_limit)
     with torch.no_grad():
         moe.router_bias.normal_(0.0, 0.5)
     return moe
