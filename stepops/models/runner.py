@@ -22,7 +22,7 @@ import math
 import random
 import time
 import types
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -421,8 +421,9 @@ class StepRunner:
         max_new_tokens: int,
         *,
         draft: Callable[[int, list[int]], Sequence[int]] | None = None,
+        stop_tokens: int | Iterable[int] = (),
     ) -> list[list[int]]:
-        """Greedy decoding: ``max_new_tokens`` new token ids for each prompt, all prompts in one ragged batch.
+        """Greedy decoding: up to ``max_new_tokens`` new token ids for each prompt, all in one ragged batch.
 
         Prompt ``i`` takes request slot ``i`` (the runner's caches start empty for it). Prompts are prefilled
         in chunks that fit the largest step; then each step feeds every request its last token, and with
@@ -430,8 +431,10 @@ class StepRunner:
         that equal the greedy choice before them are accepted, the first that does not is replaced by that
         choice, and the rest are rejected (the next step overwrites their cache rows). The emitted tokens
         are the same with or without drafts. Argmax over the logits; the first of equal maxima wins (as
-        ``torch.argmax``). Needs ``inputs="tokens"``; reads the logits on the host between steps, never
-        inside one. No end-of-sequence stop.
+        ``torch.argmax``). A request that emits one of ``stop_tokens`` (end-of-sequence ids) stops there:
+        its list ends with that token and may be shorter than ``max_new_tokens`` (as ``eos_token_id`` in
+        transformers' ``generate``); the others go on. Needs ``inputs="tokens"``; reads the logits on the
+        host between steps, never inside one.
         """
         if self.input_kind != TOKENS:
             raise ValueError('generate needs a runner built with inputs="tokens"')
@@ -450,15 +453,17 @@ class StepRunner:
             raise ValueError("every prompt needs at least one token")
         for i, prompt in enumerate(prompts):
             _check_token_list(f"prompt {i}", prompt)
+        stop = self._stop_token_set(stop_tokens)
         budget = self.max_tokens
         seqs = [list(p) for p in prompts]
         cached = [0] * len(seqs)  # positions of seqs[i] whose inputs the caches hold
         new = [0] * len(seqs)
-        while any(n < max_new_tokens for n in new):
+        stopped = [False] * len(seqs)
+        while any(n < max_new_tokens and not done for n, done in zip(new, stopped)):
             batch, plans, room = [], [], budget
             for i, seq in enumerate(seqs):
                 pending = seq[cached[i] :]
-                if new[i] >= max_new_tokens or room == 0:
+                if new[i] >= max_new_tokens or stopped[i] or room == 0:
                     continue
                 chunk = pending[:room]
                 drafts: list[int] = []
@@ -479,10 +484,30 @@ class StepRunner:
                 while accepted < len(drafts) and drafts[accepted] == choice[accepted]:
                     accepted += 1
                 emitted = choice[: accepted + 1][: max_new_tokens - new[i]]
+                ends = [k for k, token in enumerate(emitted) if token in stop]
+                if ends:  # the tokens after a stop token (accepted drafts) are not emitted
+                    emitted, stopped[i] = emitted[: ends[0] + 1], True
                 seqs[i].extend(emitted)
                 new[i] += len(emitted)
                 cached[i] = len(seqs[i]) - 1
         return [seq[len(p) :] for seq, p in zip(seqs, prompts)]
+
+    def _stop_token_set(self, stop_tokens: int | Iterable[int]) -> frozenset[int]:
+        """``generate``'s stop ids as a set, after refusing non-integers and ids outside the vocabulary (a
+        stop id that can never be emitted is a mistake, not a request to run to ``max_new_tokens``)."""
+        if is_int(stop_tokens):  # one id, as transformers' eos_token_id takes it
+            ids = [stop_tokens]
+        elif isinstance(stop_tokens, Iterable) and not isinstance(stop_tokens, (str, bytes)):
+            ids = list(stop_tokens)
+        else:
+            raise TypeError(f"stop_tokens must be a token id or a sequence of them, got {type(stop_tokens).__name__}")
+        _check_token_list("stop_tokens", ids)
+        ids = [int(t) for t in ids]
+        vocab = self.model.config.vocab_size
+        outside = [t for t in ids if not 0 <= t < vocab]
+        if outside:
+            raise ValueError(f"stop_tokens: token ids must be in [0, {vocab}) (the vocabulary), got {outside[0]}")
+        return frozenset(ids)
 
     def warm_up(self, progress: Callable[[str], None] | None = None) -> None:
         """Compile (or capture) every capture size with padding-only steps, which write nothing."""

@@ -13,8 +13,9 @@ the router's correction bias, the convs) are randomised too, so a part that igno
   and the logits of every committed token vs transformers on the whole sequence: the error to transformers'
   fp32 is within ``BF16_FACTOR`` times transformers' own bf16-vs-fp32 error, measured here on the same
   tokens.
-- Greedy generation: two prompts of different lengths in one ragged batch, 40 new tokens, equal to
-  ``generate(do_sample=False)``, eager and compiled, and with speculative drafts that are partly wrong.
+- Greedy generation: two prompts of different lengths in one ragged batch, 32 new tokens, equal to
+  ``generate(do_sample=False)``, eager and compiled, with speculative drafts that are partly wrong, and
+  with stop tokens (``eos_token_id``).
 """
 
 from __future__ import annotations
@@ -729,29 +730,41 @@ GREEDY_MARGIN = 0.15
 
 
 @pytest.fixture(scope="module")
-def hf_tokens(gen_checkpoint):
+def hf_gen16(gen_checkpoint):
+    return _hf(gen_checkpoint, torch.bfloat16)
+
+
+def _hf_generate(model, prompt: list[int], **kwargs) -> list[int]:
+    """transformers' greedy new tokens for one prompt."""
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS, do_sample=False, **kwargs)
+    return out[0, len(prompt) :].tolist()
+
+
+@pytest.fixture(scope="module")
+def hf_tokens(gen_checkpoint, hf_gen16):
     """transformers' greedy tokens for each prompt (bf16), after checking their margins in fp32."""
-    hf16, hf32 = _hf(gen_checkpoint, torch.bfloat16), _hf(gen_checkpoint, torch.float32)
+    hf32 = _hf(gen_checkpoint, torch.float32)
     out = []
     for prompt in PROMPTS:
-        ids = torch.tensor([prompt])
+        tokens = _hf_generate(hf_gen16, prompt)
         with torch.no_grad():
-            gen = hf16.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS, do_sample=False)[0]
-            logits = hf32(gen[None]).logits[0, len(prompt) - 1 : -1]
+            logits = hf32(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1]
         top = logits.topk(2, dim=-1).values
-        assert torch.equal(logits.argmax(-1), gen[len(prompt) :]), "transformers' fp32 and bf16 greedy tokens differ"
+        assert logits.argmax(-1).tolist() == tokens, "transformers' fp32 and bf16 greedy tokens differ"
         assert (top[:, 0] - top[:, 1]).min() >= GREEDY_MARGIN, "a greedy step of the test prompts is a near tie"
-        out.append(gen[len(prompt) :].tolist())
+        out.append(tokens)
     return out
 
 
-def _generate(path, mode=EAGER, backend="aot_eager", draft=None):
+def _generate(path, mode=EAGER, backend="aot_eager", draft=None, stop_tokens=()):
     """Greedy tokens from stepops and the number of steps taken."""
     model = load_inkling(path)
     runner = StepRunner(
         model, max_requests=2, max_model_len=64, max_tokens=16, device="cpu", mode=mode, compile_backend=backend, inputs=TOKENS
     )
-    return runner.generate(PROMPTS, NEW_TOKENS, draft=draft), runner.steps
+    return runner.generate(PROMPTS, NEW_TOKENS, draft=draft, stop_tokens=stop_tokens), runner.steps
 
 
 def test_greedy_generation_equals_transformers(gen_checkpoint, hf_tokens):
@@ -788,3 +801,19 @@ def test_speculative_generation_with_rejections_emits_the_same_tokens(gen_checkp
     tokens, steps = _generate(gen_checkpoint, draft=draft)
     assert tokens == hf_tokens
     assert len(corrupted) >= 4 and steps < NEW_TOKENS // 2  # drafts were rejected, and many accepted
+
+
+def test_generation_stops_at_a_stop_token_as_transformers_stops_at_eos(gen_checkpoint, hf_gen16, hf_tokens):
+    """Each prompt's continuation holds one of two stop tokens partway (transformers' ``eos_token_id``):
+    that request ends with it and the other goes on. With drafts from the true continuation, a verify step
+    accepts the stop token and drafts after it, and those are not emitted."""
+    stops = [hf_tokens[0][9], hf_tokens[1][20]]
+    want = [_hf_generate(hf_gen16, prompt, eos_token_id=stops) for prompt in PROMPTS]
+    assert len(want[0]) != len(want[1]) and max(map(len, want)) < NEW_TOKENS
+
+    def draft(i: int, tokens: list[int]) -> list[int]:
+        done = len(tokens) - len(PROMPTS[i])
+        return hf_tokens[i][done : done + 3]
+
+    assert _generate(gen_checkpoint, stop_tokens=stops)[0] == want
+    assert _generate(gen_checkpoint, draft=draft, stop_tokens=stops)[0] == want

@@ -83,6 +83,20 @@ def test_a_step_that_fails_feeds_nothing(monkeypatch):
     runner.step([ScheduledRequest(0, 2, _x(runner, 3))])
 
 
+def test_a_stop_token_is_one_id_or_any_collection_of_ids():
+    """The semantics are checked against transformers' eos_token_id in test_inkling_oracle; here, that an
+    int, a list, a tensor and a generator name the same stop, and that a step stops only its own request."""
+    torch.manual_seed(0)
+    runner = StepRunner(InklingModel(), max_requests=2, max_model_len=16, max_tokens=8, device="cpu", inputs="tokens")
+    prompts = [[1, 2], [3]]
+    full = runner.generate(prompts, 6)
+    stop = full[0][2]
+    want = [full[0][: full[0].index(stop) + 1], full[1][: full[1].index(stop) + 1] if stop in full[1] else full[1]]
+    assert len(want[0]) < 6
+    for stop_tokens in (stop, [stop], torch.tensor([stop]), (t for t in [stop])):
+        assert runner.generate(prompts, 6, stop_tokens=stop_tokens) == want
+
+
 def test_max_tokens_1_runs_only_1_token_steps():
     """Its steps are padded to 2 (a size of 1 would compile a second graph), but 2 real tokens were taken."""
     def make(max_tokens):
@@ -170,6 +184,14 @@ def test_token_steps_and_generate_check_their_arguments_before_any_step():
          "draft for prompt 0: token ids must be integers"),
         (lambda: runner.generate([[1], [2], [3]], 2), ValueError, "3 prompts; the runner has 2 request slots"),
         (lambda: runner.generate([[1], []], 2), ValueError, "every prompt needs at least one token"),
+        # a stop id that can never be emitted would silently run every request to max_new_tokens
+        (lambda: runner.generate([[1]], 2, stop_tokens=[3, 128]), ValueError,
+         r"^stop_tokens: token ids must be in \[0, 128\) \(the vocabulary\), got 128$"),
+        (lambda: runner.generate([[1]], 2, stop_tokens=-1), ValueError, r"\(the vocabulary\), got -1$"),
+        (lambda: runner.generate([[1]], 2, stop_tokens=[2.0]), TypeError, "stop_tokens: token ids must be integers"),
+        (lambda: runner.generate([[1]], 2, stop_tokens=True), TypeError,
+         "stop_tokens must be a token id or a sequence of them, got bool"),
+        (lambda: runner.generate([[1]], 2, stop_tokens="2"), TypeError, "sequence of them, got str"),
     ):  # fmt: skip
         with pytest.raises(error, match=match):
             call()
