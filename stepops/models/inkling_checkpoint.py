@@ -21,15 +21,14 @@ V conv weights are read as the halves of the layers' fused ``kv_proj.weight`` an
 
 from __future__ import annotations
 
-import json
 import re
 import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError, safe_open
 
+from stepops.models.checkpoint_files import read_json_object, read_safetensors_file
 from stepops.models.inkling import GLOBAL, SLIDING, InklingConfig, InklingModel, fuse_kv
 from stepops.specs import is_int
 
@@ -273,7 +272,7 @@ def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
     if (path / "model.safetensors").exists():
         files = ["model.safetensors"]
     elif index.exists():
-        weight_map = _read_json_object(index).get("weight_map")
+        weight_map = read_json_object(index).get("weight_map")
         if not isinstance(weight_map, dict):
             raise ValueError(f"{index}: no weight_map object (expected the index save_pretrained writes)")
         files = sorted(set(weight_map.values()))
@@ -281,24 +280,8 @@ def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
         raise ValueError(f"{path}: no model.safetensors or model.safetensors.index.json")
     tensors: dict[str, torch.Tensor] = {}
     for name in files:
-        try:
-            with safe_open(str(path / name), framework="pt") as f:
-                for key in f.keys():
-                    tensors[key] = f.get_tensor(key)
-        except (SafetensorError, OSError) as error:
-            raise ValueError(f"{path / name}: not a readable safetensors file ({error})") from None
+        tensors.update(read_safetensors_file(path / name))
     return tensors
-
-
-def _read_json_object(path: Path) -> dict[str, Any]:
-    """The JSON object in ``path``; ``ValueError`` naming the file for invalid JSON or another value."""
-    try:
-        value = json.loads(path.read_text())
-    except json.JSONDecodeError as error:
-        raise ValueError(f"{path}: not valid JSON ({error})") from None
-    if not isinstance(value, dict):
-        raise ValueError(f"{path}: expected a JSON object, got {type(value).__name__}")
-    return value
 
 
 def _deinterleave(key: str, tensor: torch.Tensor, dim: int) -> torch.Tensor:
@@ -381,7 +364,7 @@ def load_inkling(
     config_file = path / "config.json"
     if not config_file.exists():
         raise ValueError(f"{path}: no config.json (expected a directory written by save_pretrained)")
-    hf = _read_json_object(config_file)
+    hf = read_json_object(config_file)
     multimodal = hf.get("model_type") == "inkling_mm_model"
     architectures = hf.get("architectures") or ()
     if multimodal and "InklingModel" in architectures:
