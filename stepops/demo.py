@@ -5,7 +5,8 @@ and global) run the same kind of workload: several requests, prompts split into 
 decode and speculative verify steps whose rejected drafts the next step overwrites. Each model runs eagerly,
 compiled with ``torch.compile(fullgraph=True)`` and, with a GPU, replayed from CUDA graphs; every run's
 compiled run and CUDA-graph replay must reproduce the eager run's committed outputs (within
-``MODE_VS_EAGER_ATOL + MODE_VS_EAGER_RTOL * |eager|``), with no graph break and no recompile.
+``MODE_VS_EAGER_ATOL + MODE_VS_EAGER_RTOL * |eager|``), with no graph break and no recompile. Each
+single-process model then generates greedily from token ids, with and without drafts: the same tokens.
 
 With ``tp > 1`` the Inkling stack runs tensor-parallel: the demo spawns ``tp`` local ranks (gloo on CPU,
 NCCL with one GPU per rank), each loads its shard of the same seeded weights, and every rank's outputs are
@@ -37,7 +38,7 @@ import torch
 import torch.distributed as dist
 from torch._dynamo.utils import counters
 
-from stepops.models import InklingConfig, InklingModel, Step5Config, Step5Model
+from stepops.models import InklingConfig, InklingModel, Step5Config, Step5ForCausalLM, Step5Model
 from stepops.models.inkling import shard_inkling_state_dict
 from stepops.models.runner import COMPILED, CUDA_GRAPH, EAGER, TOKENS, StepRunner, Workload, run_workload
 from stepops.models.tensor_parallel import spawn_ranks
@@ -46,7 +47,7 @@ from stepops.specs import check_int
 WORKLOAD = Workload()
 # Factories as partials, not lambdas: the tensor-parallel ranks receive theirs pickled.
 _MODELS: tuple[tuple[str, Callable[[], torch.nn.Module]], ...] = (
-    ("step5", partial(Step5Model, Step5Config())),
+    ("step5", partial(Step5ForCausalLM, Step5Config())),  # the stack on hidden inputs, and token ids for generation
     ("inkling", partial(InklingModel, InklingConfig())),
 )
 _TP_MODEL = "inkling"  # the stack that runs tensor-parallel with --tp > 1
@@ -197,12 +198,12 @@ def _run_modes(name, make, modes, device, backend, workload, shard=None) -> dict
     return rows
 
 
-def _inkling_generation(device: torch.device) -> dict:
-    """Greedy generation on the Inkling model (embedding to logits per step): two prompts in one ragged batch,
-    then again with drafts of 3 that are wrong on every other step; the emitted tokens must not change."""
+def _greedy_generation(name: str, make: Callable[[], torch.nn.Module], device: torch.device) -> dict:
+    """Greedy generation on ``make()`` (embedding to logits per step): two prompts in one ragged batch, then
+    again with drafts of 3 that are wrong on every other step; the emitted tokens must not change."""
     torch.manual_seed(0)
     with device:
-        model = InklingModel(InklingConfig())
+        model = make()
     prompts, new_tokens = [[3, 14, 15, 92, 65, 35, 89, 79, 32], [27, 18, 28]], 16
 
     def runner() -> StepRunner:
@@ -217,7 +218,7 @@ def _inkling_generation(device: torch.device) -> dict:
 
     drafted = runner()
     same = drafted.generate(prompts, new_tokens, draft=draft) == tokens
-    _say(f"  inkling greedy generation: {new_tokens} tokens x 2 prompts in {plain.steps} steps; with drafts "
+    _say(f"  {name} greedy generation: {new_tokens} tokens x 2 prompts in {plain.steps} steps; with drafts "
          f"{drafted.steps} steps, {'the same' if same else 'DIFFERENT'} tokens")
     return {"new_tokens": new_tokens, "steps": plain.steps, "draft_steps": drafted.steps, "same_with_drafts": same}
 
@@ -348,8 +349,8 @@ def run_demo(*, json_path: str | None = None, device: str = "auto", backend: str
         }
         if CUDA_GRAPH in rows:
             report[name]["cudagraph_seconds"] = rows[CUDA_GRAPH]["seconds"]
-    if "inkling" in report and tp == 1:
-        report["inkling"]["generation"] = _inkling_generation(dev)
+        if not sharded:
+            report[name]["generation"] = _greedy_generation(name, make, dev)
     _print_table(report)
     ok = checks_passed(report)
     if json_path:

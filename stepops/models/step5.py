@@ -21,6 +21,7 @@ through :mod:`stepops.owners` (a :class:`PagedAttentionLayer` per layer, a :clas
 layer) and allocated by :func:`stepops.allocator.allocate_kv_caches`; the e4m3 summary cache of each CSA
 layer is the layer's own ``[num_slots, 256]`` tensor of e4m3 codes. Parameter names are the checkpoint's
 (``self_attn.q_proj.weight``, ``moe.gate_proj.weight``, ...): see :mod:`stepops.models.step5_weights`.
+:class:`Step5ForCausalLM` adds the reference's token embedding and output head (token ids to logits).
 """
 
 from __future__ import annotations
@@ -101,6 +102,7 @@ class Step5Config:
     """
 
     hidden_size: int = 64
+    vocab_size: int = 128  # Step5ForCausalLM's embedding and head; the decoder stack does not read it
     num_heads: int = 4
     num_kv_heads: int = 2
     head_dim: int = 16
@@ -129,7 +131,7 @@ class Step5Config:
     layer_types: tuple[str, ...] = field(default=(SLIDING, CSA))
 
     def __post_init__(self) -> None:
-        for name in ("hidden_size", "num_heads", "num_kv_heads", "head_dim", "intermediate_size", "sliding_window",
+        for name in ("hidden_size", "vocab_size", "num_heads", "num_kv_heads", "head_dim", "intermediate_size", "sliding_window",
                      "index_num_heads", "index_proxy_dim", "index_top_k", "moe_num_experts", "moe_top_k",
                      "moe_intermediate_size", "share_expert_dim"):
             check_int(name, getattr(self, name), 1)
@@ -239,6 +241,7 @@ class Step5Config:
 # (three dense layers first, as Step-3.5, and layer 91 dense, as model.py says) and the speculative depth.
 STEP5_REFERENCE = Step5Config(
     hidden_size=4096,
+    vocab_size=128896,
     num_heads=64,
     num_kv_heads=4,
     head_dim=192,
@@ -823,3 +826,26 @@ class Step5Model(nn.Module):
         for layer in self.layers:
             residual = layer(residual, metadata)
         return self.norm(residual.to(torch.bfloat16))
+
+
+class Step5ForCausalLM(Step5Model):
+    """:class:`Step5Model` with the token embedding and the output head: token ids in, logits out.
+
+    As the reference's ``Step4ForCausalLM``: ``embed_tokens`` (bf16, ``[vocab_size, hidden]``) feeds the
+    stack, and ``lm_head`` (bf16, no bias, not tied to the embedding) maps its output to bf16 logits. A
+    :class:`~stepops.models.runner.StepRunner` built with ``inputs="tokens"`` runs it, ``generate`` included.
+    """
+
+    def __init__(self, config: Step5Config = Step5Config(), *, dtype: torch.dtype = torch.bfloat16) -> None:
+        super().__init__(config, dtype=dtype)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
+        self.built_dtypes = tensor_dtypes(self)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The stack's output ``[T, hidden]`` -> ``[T, vocab_size]`` logits in the model's dtype."""
+        return self.lm_head(hidden)
+
+    def forward_tokens(self, token_ids: torch.Tensor, buffers: StepBuffers) -> torch.Tensor:
+        """A whole step: ``token_ids [T]`` int64 -> logits ``[T, vocab_size]``."""
+        return self.logits(self(self.embed_tokens(token_ids), buffers))

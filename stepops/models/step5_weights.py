@@ -2,12 +2,13 @@
 
 :func:`step5_config_from_reference` reads the checkpoint's ``config.json`` (the reference's ``Step4Config``
 keys) into a :class:`~stepops.models.step5.Step5Config`; a setting the model cannot compute is a
-``ValueError`` naming it.
+``ValueError`` naming it. :func:`load_step5` does both for a checkpoint directory.
 
 The model's parameters carry the checkpoint's names (``layers.{i}.input_layernorm.weight``,
 ``layers.{i}.self_attn.{q,k,v,o,g}_proj.weight``, ``...self_attn.sparse_indexer_{q,k,z,w}.weight``,
 ``...mlp.*``, ``...moe.gate.weight``, ``...moe.router_bias``, ``...moe.{gate,up,down}_proj.weight``,
-``...share_expert.*``, ``norm.weight``), so loading is a checked copy. Routed experts stored as
+``...share_expert.*``, ``norm.weight``; a :class:`~stepops.models.step5.Step5ForCausalLM` also
+``embed_tokens.weight`` and ``lm_head.weight``), so loading is a checked copy. Routed experts stored as
 float8_e4m3fn with ``weight_scale_inv`` (one fp32 scale per 128 x 128 block, multiplied in) are held as
 they are, and their GEMMs multiply them dequantised and round their inputs to e4m3 as the reference's
 ``fp8_gemm`` does (:class:`~stepops.models.step5.StackedExpertWeight`). A name the model lacks, or a
@@ -17,12 +18,14 @@ parameter the checkpoint lacks, is a ``ValueError`` listing them all.
 from __future__ import annotations
 
 import re
+import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from stepops.models.checkpoint_files import read_json_object, read_safetensors_file
 from stepops.models.dtypes import tensor_dtypes
 from stepops.models.step5 import (
     CSA,
@@ -30,12 +33,15 @@ from stepops.models.step5 import (
     Llama3RopeScaling,
     StackedExpertWeight,
     Step5Config,
+    Step5ForCausalLM,
     Step5Model,
     check_fp8_blocks,
 )
 from stepops.specs import check_int
 
 SCALE_SUFFIX = ".weight_scale_inv"
+# Step4ForCausalLM keeps its head beside the decoder (``model.``): read without the prefix.
+HEAD = "lm_head.weight"
 # In the checkpoint but read by nothing: the reference registers ssmax_s at its initial value and its
 # indexer scores with a weighted ReLU, which has no softmax for it to scale.
 IGNORED = re.compile(r"layers\.\d+\.self_attn\.ssmax_s")
@@ -43,26 +49,35 @@ IGNORED = re.compile(r"layers\.\d+\.self_attn\.ssmax_s")
 
 def load_step5_state_dict(model: Step5Model, state_dict: Mapping[str, torch.Tensor], *, prefix: str = "") -> None:
     """Copy ``state_dict`` (names ``prefix + <model name>``, e.g. ``prefix="model."`` for decoder weights
-    saved under ``model.``; the model has no embedding or head, so a checkpoint holding them must leave them
-    out) into ``model``'s parameters, fp8 experts held as :class:`~stepops.models.step5.StackedExpertWeight`
-    says. Every parameter must be given and
+    saved under ``model.``, and ``lm_head.weight`` as it is, beside them, as the reference saves it) into
+    ``model``'s parameters, fp8 experts held as :class:`~stepops.models.step5.StackedExpertWeight` says. A
+    :class:`~stepops.models.step5.Step5Model` has no embedding or head, so a checkpoint for it leaves them
+    out; a :class:`~stepops.models.step5.Step5ForCausalLM` needs them. Every parameter must be given and
     every name used (``ValueError``); shapes must match (``ValueError``); dtypes must be floating
     (``TypeError``; float8 only for routed experts with a ``weight_scale_inv``)."""
     params = dict(model.named_parameters())
+
+    def key_of(name: str) -> str:
+        return name if name == HEAD else prefix + name
+
     tensors: dict[str, torch.Tensor] = {}
     scales: dict[str, torch.Tensor] = {}
     unexpected = []
     for key, tensor in state_dict.items():
-        name = key[len(prefix) :] if key.startswith(prefix) else None
-        if name is None:
+        if key == HEAD:
+            name = HEAD
+        elif key.startswith(prefix) and key != prefix + HEAD:  # the head is not kept under the prefix
+            name = key[len(prefix) :]
+        else:
             unexpected.append(key)
-        elif name.endswith(SCALE_SUFFIX):
+            continue
+        if name.endswith(SCALE_SUFFIX):
             scales[name[: -len(SCALE_SUFFIX)] + ".weight"] = tensor
         elif not IGNORED.fullmatch(name):
             tensors[name] = tensor
-    unexpected += [prefix + n for n in tensors if n not in params]
+    unexpected += [key_of(n) for n in tensors if n not in params]
     unexpected += [prefix + n[: -len(".weight")] + SCALE_SUFFIX for n in scales if n not in tensors]
-    missing = [prefix + n for n in params if n not in tensors]
+    missing = [key_of(n) for n in params if n not in tensors]
     if missing or unexpected:
         raise ValueError(f"Step5 checkpoint does not match the model: missing {missing}, unexpected {unexpected}")
     experts = {f"{n}.weight": m for n, m in model.named_modules() if isinstance(m, StackedExpertWeight)}
@@ -73,9 +88,9 @@ def load_step5_state_dict(model: Step5Model, state_dict: Mapping[str, torch.Tens
                 raise ValueError(f"{prefix}{name}: only routed experts (moe.*_proj) may be fp8 with a weight_scale_inv")
             check_fp8_blocks(prefix + name, tensor, scales[name])
         elif not tensor.is_floating_point() or tensor.element_size() == 1:
-            raise TypeError(f"{prefix}{name}: expected a floating-point tensor (fp8 needs a weight_scale_inv), got {tensor.dtype}")
+            raise TypeError(f"{key_of(name)}: expected a floating-point tensor (fp8 needs a weight_scale_inv), got {tensor.dtype}")
         if tensor.shape != param.shape:
-            raise ValueError(f"{prefix}{name}: shape {tuple(tensor.shape)} does not match the model's {tuple(param.shape)}")
+            raise ValueError(f"{key_of(name)}: shape {tuple(tensor.shape)} does not match the model's {tuple(param.shape)}")
     for name, param in params.items():
         tensor = tensors[name]
         if name in experts:
@@ -91,18 +106,61 @@ def load_step5_state_dict(model: Step5Model, state_dict: Mapping[str, torch.Tens
 def load_step5_safetensors(model: Step5Model, directory: str | Path, *, prefix: str = "") -> None:
     """:func:`load_step5_state_dict` from every ``*.safetensors`` file of ``directory`` (a name in two files
     is a ``ValueError``)."""
-    from safetensors.torch import load_file
+    load_step5_state_dict(model, _read_safetensors(Path(directory)), prefix=prefix)
 
-    files = sorted(Path(directory).glob("*.safetensors"))
+
+def load_step5(
+    path: str | Path, *, device: torch.device | str = "cpu", num_speculative_tokens: int = 3
+) -> Step5ForCausalLM:
+    """A :class:`~stepops.models.step5.Step5ForCausalLM` from a checkpoint directory as the reference's
+    ``Step4ForCausalLM`` saves one: ``config.json`` (read by :func:`step5_config_from_reference`) and
+    ``*.safetensors`` holding ``model.embed_tokens``, ``model.layers.{i}.*``, ``model.norm`` and
+    ``lm_head.weight``.
+
+    The multi-token-prediction layers (``model.layers.{n}.*`` for ``num_hidden_layers <= n <
+    num_hidden_layers + num_nextn_predict_layers``) are skipped with one warning, as the reference skips
+    them: they only propose drafts. Any other name the model lacks is a ``ValueError``. The model is built
+    on ``device`` and then filled, so loading holds the checkpoint and the model at once. Its caches are
+    not allocated (``allocate_caches`` or a :class:`~stepops.models.runner.StepRunner` does that).
+    """
+    path = Path(path)
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise ValueError(f"{path}: no config.json (expected a Step5 checkpoint directory)")
+    reference = read_json_object(config_file)
+    config = step5_config_from_reference(reference, num_speculative_tokens=num_speculative_tokens)
+    state_dict = _read_safetensors(path)
+    num_layers = len(config.layer_types)
+    mtp_layers = range(num_layers, num_layers + reference.get("num_nextn_predict_layers", 1))
+    mtp_prefixes = tuple(f"model.layers.{i}." for i in mtp_layers)
+    skipped = [key for key in state_dict if key.startswith(mtp_prefixes)]
+    for key in skipped:
+        del state_dict[key]
+    with torch.device(device):
+        model = Step5ForCausalLM(config)
+    load_step5_state_dict(model, state_dict, prefix="model.")
+    if skipped:
+        warnings.warn(
+            f"{path}: skipped {len(skipped)} tensors of the multi-token-prediction layers "
+            f"{mtp_layers.start}..{mtp_layers.stop - 1} (draft proposers; stepops runs the main stack)",
+            stacklevel=2,
+        )
+    return model
+
+
+def _read_safetensors(directory: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of every ``*.safetensors`` file of ``directory``; ``ValueError`` for none, for a file
+    that is not safetensors, and for a name in two files."""
+    files = sorted(directory.glob("*.safetensors"))
     if not files:
         raise ValueError(f"no *.safetensors files in {directory}")
     state_dict: dict[str, torch.Tensor] = {}
-    for path in files:
-        for key, tensor in load_file(path).items():
+    for file in files:
+        for key, tensor in read_safetensors_file(file).items():
             if key in state_dict:
                 raise ValueError(f"{key} is in more than one file of {directory}")
             state_dict[key] = tensor
-    load_step5_state_dict(model, state_dict, prefix=prefix)
+    return state_dict
 
 
 # The reference's layer type names; "full_attention" layers run CSA (its sparse_config.apply_to_layer_types).
@@ -163,6 +221,7 @@ def step5_config_from_reference(config: Mapping[str, Any], *, num_speculative_to
         return Step5Config(
             **heads,
             hidden_size=c["hidden_size"],
+            vocab_size=c.get("vocab_size", 128896),
             head_dim=c["head_dim"],
             intermediate_size=c["intermediate_size"],
             sliding_window=c.get("sliding_window", 512) if SLIDING in kinds else Step5Config.sliding_window,

@@ -31,10 +31,14 @@ def _quantize_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return quantized, scale
 
 
-def random_step5_checkpoint(config: Step5Config, seed: int, *, fp8_experts: bool = True) -> dict[str, torch.Tensor]:
+def random_step5_checkpoint(
+    config: Step5Config, seed: int, *, fp8_experts: bool = True, causal_lm: bool = False
+) -> dict[str, torch.Tensor]:
     """A seeded random checkpoint for ``config``: CPU tensors, also under another default device, in the
     reference's dtypes (bf16 projections, fp32 norms, router bias and indexer head weights; e4m3 + scales for
-    routed experts if ``fp8_experts``)."""
+    routed experts if ``fp8_experts``). With ``causal_lm``, also the bf16 ``embed_tokens.weight`` and
+    ``lm_head.weight`` of a :class:`~stepops.models.step5.Step5ForCausalLM` (drawn last: the decoder's
+    weights are the same either way)."""
     c = config
     gen = torch.Generator().manual_seed(seed)
     bf16 = torch.bfloat16
@@ -94,4 +98,7 @@ def random_step5_checkpoint(config: Step5Config, seed: int, *, fp8_experts: bool
                 state[f"{p}moe.{name}.weight"], state[f"{p}moe.{name}.weight_scale_inv"] = _quantize_fp8(weight)
             else:
                 state[f"{p}moe.{name}.weight"] = weight.to(bf16)
+    if causal_lm:  # unit-variance embeddings, as the stack's inputs; logits of about unit scale
+        state["embed_tokens.weight"] = torch.randn(c.vocab_size, c.hidden_size, generator=gen, device="cpu").to(bf16)
+        state["lm_head.weight"] = linear(c.vocab_size, c.hidden_size)
     return state

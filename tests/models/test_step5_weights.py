@@ -2,6 +2,7 @@
 config's checks and the released model's numbers."""
 
 import dataclasses
+import json
 
 import pytest
 import torch
@@ -9,8 +10,12 @@ from safetensors.torch import save_file
 
 from stepops.layouts import InklingStream
 from stepops.models import Step5Config, Step5Model
-from stepops.models.step5 import CSA, SLIDING, STEP5_REFERENCE, Llama3RopeScaling, check_fp8_blocks, dequantize_fp8_blocks
-from stepops.models.step5_weights import load_step5_safetensors, load_step5_state_dict, step5_config_from_reference
+from stepops.models.step5 import (
+    CSA, SLIDING, STEP5_REFERENCE, Llama3RopeScaling, Step5ForCausalLM, check_fp8_blocks, dequantize_fp8_blocks,
+)
+from stepops.models.step5_weights import (
+    load_step5, load_step5_safetensors, load_step5_state_dict, step5_config_from_reference,
+)
 from stepops.testing.step5_checkpoint import random_step5_checkpoint
 
 _CONFIG = Step5Config()  # layer 0: sliding + MoE, layer 1: CSA + dense MLP
@@ -103,6 +108,12 @@ def test_a_key_in_two_files_is_an_error(tmp_path):
     key = "layers.0.self_attn.q_proj.weight"
     save_file({key: torch.zeros_like(checkpoint[key])}, tmp_path / "b.safetensors")
     with pytest.raises(ValueError, match=rf"{key} is in more than one file of"):
+        load_step5_safetensors(Step5Model(_CONFIG), tmp_path)
+
+
+def test_an_unreadable_safetensors_file_is_an_error_naming_it(tmp_path):
+    (tmp_path / "model-00001.safetensors").write_bytes(b"not a safetensors header")
+    with pytest.raises(ValueError, match=r"model-00001\.safetensors: not a readable safetensors file"):
         load_step5_safetensors(Step5Model(_CONFIG), tmp_path)
 
 
@@ -301,7 +312,7 @@ def _reference_config(types: list[str], **overrides) -> dict:
     the MTP layer's; a CSA layer's rope 5e6 over a third of the head, a sliding one's 1e4 over all of it."""
     full = [t == "full_attention" for t in types]
     return {
-        "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": len(types) - 1,
+        "hidden_size": 64, "vocab_size": 128, "intermediate_size": 128, "num_hidden_layers": len(types) - 1,
         "num_nextn_predict_layers": 1, "num_attention_heads": 4, "num_attention_groups": 2, "head_dim": 48,
         "rms_norm_eps": 1e-6, "sliding_window": 24, "layer_types": types,
         "rope_theta": [5e6 if f else 1e4 for f in full], "partial_rotary_factors": [1 / 3 if f else 1.0 for f in full],
@@ -315,7 +326,7 @@ def _reference_config(types: list[str], **overrides) -> dict:
 def test_the_released_config_reads_as_step5_reference():
     types = ["full_attention" if i % 4 == 3 else "sliding_attention" for i in range(92)] + ["full_attention"]
     release = _reference_config(
-        types, hidden_size=4096, intermediate_size=13824, num_attention_heads=64, num_attention_groups=4,
+        types, hidden_size=4096, vocab_size=128896, intermediate_size=13824, num_attention_heads=64, num_attention_groups=4,
         head_dim=192, rms_norm_eps=1e-5, sliding_window=512, moe_layer_list=list(range(3, 91)), moe_num_experts=352,
         moe_top_k=8, moe_intermediate_size=1536, share_expert_dim=1536, swiglu_limits=[7.0] * 93,
         swiglu_limits_shared=[7.0] * 93, yarn_only_types=["full_attention"],
@@ -335,10 +346,10 @@ def test_a_config_reads_per_layer_settings_as_the_reference():
     reference = _reference_config(
         types, swiglu_limits=[0.5, 3.0, 9.0], swiglu_limits_shared=[2.0, 1.5, 9.0], moe_layer_list=[0, 2],
         norm_expert_weight=False, use_head_wise_attn_gate=False, rope_theta=[2e4, 1e6, 1e6],
-        partial_rotary_factors=[1.0, 0.5, 0.25],
+        partial_rotary_factors=[1.0, 0.5, 0.25], vocab_size=96,
     )  # fmt: skip
     want = Step5Config(
-        hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=48, intermediate_size=128, sliding_window=24,
+        hidden_size=64, vocab_size=96, num_heads=4, num_kv_heads=2, head_dim=48, intermediate_size=128, sliding_window=24,
         index_num_heads=8, index_rope_dim=32, index_top_k=3, num_speculative_tokens=2, rms_norm_eps=1e-6,
         sliding_rope_theta=2e4, csa_rope_theta=1e6, csa_partial_rotary_factor=0.5, csa_rope_scaling=None,
         swiglu_limit=(0.5, 3.0), swiglu_limit_shared=(2.0, 1.5), moe_layers=(0,), moe_renormalize=False,
@@ -346,8 +357,10 @@ def test_a_config_reads_per_layer_settings_as_the_reference():
     )  # fmt: skip
     assert step5_config_from_reference(reference, num_speculative_tokens=2) == want
     no_lists = _reference_config(["full_attention", "full_attention"], sliding_window=None, use_moe=False)
+    del no_lists["vocab_size"]
     config = step5_config_from_reference(no_lists)
     assert (config.swiglu_limit, config.swiglu_limit_shared, config.moe_layers) == (7.0, 7.0, ())
+    assert config.vocab_size == 128896  # Step4Config's default
     assert config.layer_types == (CSA,) and config.sliding_window == Step5Config().sliding_window
 
 
@@ -394,3 +407,63 @@ def test_a_config_missing_a_geometry_key_names_it():
     del reference["head_dim"]
     with pytest.raises(ValueError, match=r"the Step5 config has no 'head_dim'"):
         step5_config_from_reference(reference)
+
+
+def _release_layout(tmp_path, reference: dict, edit=lambda checkpoint: None) -> dict[str, torch.Tensor]:
+    """A checkpoint directory as Step4ForCausalLM saves one: ``config.json``, the decoder under ``model.``
+    and ``lm_head.weight`` beside it, an MTP layer after the main stack, ``ssmax_s``; over two files.
+    Returns the checkpoint in stepops' names."""
+    config = step5_config_from_reference(reference)
+    ours = random_step5_checkpoint(config, seed=2, causal_lm=True)
+    saved = {(k if k == "lm_head.weight" else f"model.{k}"): v for k, v in ours.items()}
+    n = reference["num_hidden_layers"]
+    saved |= {f"model.layers.{n}.eh_proj.weight": torch.ones(2, 2), f"model.layers.{n}.self_attn.q_proj.weight": torch.ones(2)}
+    saved["model.layers.1.self_attn.ssmax_s"] = torch.ones(4)
+    edit(saved)
+    names = sorted(saved)
+    save_file({k: saved[k] for k in names[::2]}, tmp_path / "model-00001-of-00002.safetensors")
+    save_file({k: saved[k] for k in names[1::2]}, tmp_path / "model-00002-of-00002.safetensors")
+    (tmp_path / "config.json").write_text(json.dumps(reference))
+    return ours
+
+
+def test_a_reference_checkpoint_directory_loads_as_a_causal_lm(tmp_path):
+    reference = _reference_config(["sliding_attention", "full_attention", "full_attention"])
+    ours = _release_layout(tmp_path, reference)
+    with pytest.warns(UserWarning, match=r"skipped 2 tensors of the multi-token-prediction layers 2\.\.2"):
+        model = load_step5(tmp_path, num_speculative_tokens=2)
+    assert type(model) is Step5ForCausalLM
+    assert model.config == step5_config_from_reference(reference, num_speculative_tokens=2)
+    want = Step5ForCausalLM(model.config)
+    load_step5_state_dict(want, ours)
+    for (name, a), (_, b) in zip(model.named_parameters(), want.named_parameters(), strict=True):
+        assert a.dtype == b.dtype and torch.equal(a, b), name
+    assert torch.equal(model.lm_head.weight, ours["lm_head.weight"])
+
+
+@pytest.mark.parametrize(
+    "edit, match",
+    [
+        # past the one MTP layer the config declares: not skipped
+        (lambda c: c.update({"model.layers.3.eh_proj.weight": torch.ones(2)}), r"unexpected \['model\.layers\.3\.eh_proj"),
+        (lambda c: c.pop("lm_head.weight"), r"missing \['lm_head\.weight'\], unexpected \[\]"),
+        # the head is kept beside model., not inside it
+        (lambda c: c.update({"model.lm_head.weight": c.pop("lm_head.weight")}),
+         r"missing \['lm_head\.weight'\], unexpected \['model\.lm_head\.weight'\]"),
+        (lambda c: c.pop("model.embed_tokens.weight"), r"missing \['model\.embed_tokens\.weight'\]"),
+        (lambda c: c.update({"lm_head.weight": c["lm_head.weight"][:-1]}),
+         r"lm_head\.weight: shape \(127, 64\) does not match the model's \(128, 64\)"),
+    ],
+)  # fmt: skip
+def test_a_reference_checkpoint_directory_that_does_not_match_is_refused(tmp_path, edit, match):
+    _release_layout(tmp_path, _reference_config(["sliding_attention", "full_attention", "full_attention"]), edit)
+    with pytest.raises(ValueError, match=match):
+        load_step5(tmp_path)
+
+
+def test_a_directory_without_a_readable_config_is_refused(tmp_path):
+    with pytest.raises(ValueError, match=r"no config\.json \(expected a Step5 checkpoint directory\)"):
+        load_step5(tmp_path)
+    (tmp_path / "config.json").write_text("{")
+    with pytest.raises(ValueError, match=r"config\.json: not valid JSON"):
+        load_step5(tmp_path)
