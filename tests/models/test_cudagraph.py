@@ -4,11 +4,13 @@ proxies in test_compile.py: no CUDA-graph-incompatible node, fake-CUDA trace).""
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from stepops.models import InklingConfig, InklingModel, Step5Config, Step5Model
+from stepops.models import InklingConfig, InklingModel, Step5Config, Step5ForCausalLM, Step5Model
 from stepops.models.runner import CUDA_GRAPH, EAGER, TOKENS, ScheduledRequest, StepRunner
 from stepops.testing import TOLERANCES
 
@@ -89,26 +91,31 @@ def test_reduce_overhead_replay_equals_eager_without_cudagraph_skips(model_cls, 
             torch.testing.assert_close(a, b, atol=tol.atol, rtol=tol.rtol)
 
 
-def _token_runner(config, mode):
+def _token_runner(make, mode):
     torch.manual_seed(0)
     with torch.device("cuda"):
-        model = InklingModel(config)
+        model = make()
     runner = StepRunner(model, max_requests=2, max_model_len=48, max_tokens=16, device="cuda", mode=mode, inputs=TOKENS)
     if mode == CUDA_GRAPH:
         runner.warm_up()
     return runner
 
 
-def test_cuda_graph_generation_equals_eager():
+@pytest.mark.parametrize(
+    "make",
+    [partial(InklingModel, InklingConfig(mlp_layer_types=("dense", "sparse"))), partial(Step5ForCausalLM, Step5Config())],
+    ids=["inkling", "step5"],
+)
+def test_cuda_graph_generation_equals_eager(make):
     """Token steps (embedding to logits, MoE routing included) replayed from CUDA graphs: greedy generation
     of a ragged batch, plain and with partly wrong drafts, emits eager's tokens (same kernels: bitwise)."""
-    config = InklingConfig(mlp_layer_types=("dense", "sparse"))
+    config = make.args[0]
     prompts = [[5, 17, 99, 3, 42, 8, 61], [64, 7, 30]]
-    want = _token_runner(config, EAGER).generate(prompts, 12)
-    assert _token_runner(config, CUDA_GRAPH).generate(prompts, 12) == want
+    want = _token_runner(make, EAGER).generate(prompts, 12)
+    assert _token_runner(make, CUDA_GRAPH).generate(prompts, 12) == want
 
     def draft(i, tokens):
         done = len(tokens) - len(prompts[i])
         return [(t + done % 2) % config.vocab_size for t in want[i][done : done + 3]]  # wrong on odd steps
 
-    assert _token_runner(config, CUDA_GRAPH).generate(prompts, 12, draft=draft) == want
+    assert _token_runner(make, CUDA_GRAPH).generate(prompts, 12, draft=draft) == want
