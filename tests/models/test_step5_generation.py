@@ -3,7 +3,8 @@ recompute of StepFun's formulas (``stepops.testing.step5_reference``) with the r
 (``Step4ForCausalLM.forward``: ``lm_head(hidden.to(bf16))``, bf16 logits; the embedding a row lookup).
 
 Greedy choices are compared where the recompute's choice is clear: two correct bf16 models may break a near
-tie of the top two logits either way (with 128 random logits a few steps in 48 are within a bf16 ulp or two).
+tie of the top two logits either way (with 128 random logits, 8 of the 48 steps here are within ``NEAR_TIE``,
+2 exact bf16 ties; stepops chose the recompute's top token at all 48 where seen).
 """
 
 from __future__ import annotations
@@ -73,7 +74,8 @@ def _check_greedy(checkpoint, tokens: list[list[int]]) -> None:
         chosen = logits.gather(1, torch.tensor(new)[:, None])[:, 0]
         assert (top[:, 0] - chosen <= tie).all(), (top[:, 0] - chosen).tolist()
         clear += int((top[:, 0] - top[:, 1] > tie).sum())
-    assert clear >= 0.75 * NEW_TOKENS * len(PROMPTS), clear
+    # 40 of 48 here; another tie broken the other way changes the rest of that sequence, and its count
+    assert clear >= 2 / 3 * NEW_TOKENS * len(PROMPTS), clear
 
 
 def test_greedy_generation_follows_the_recompute(checkpoint):
