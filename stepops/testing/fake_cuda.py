@@ -12,6 +12,10 @@ def getitem_through_the_dispatcher(self, index):
     binding takes a CUDA device guard, which the wheel lacks ("PyTorch is not linked with support for cuda
     devices"). The same indexing lowered to aten ops goes through the dispatcher, where FakeTensorMode
     handles it. Basic and advanced integer indexing only, which is all the traced code uses.
+
+    Install it on ``FakeTensor``, not on ``torch.Tensor``: once a class has had a Python ``__getitem__``,
+    CPython leaves it a sequence type even after the attribute is deleted, so an undone patch of
+    ``torch.Tensor`` made every later ``torch.as_tensor([tensor(0-d), ...])`` of the process fail.
     """
     index = index if isinstance(index, tuple) else (index,)
     consumed = sum(1 for i in index if i is not None and i is not Ellipsis)

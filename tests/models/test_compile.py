@@ -377,10 +377,10 @@ def _assert_cache_within_one_row_ulp(got: torch.Tensor, want: torch.Tensor) -> N
 
 def test_fake_cuda_trace_has_no_graph_break(monkeypatch):
     """Dynamo traces the CUDA code path (cuda fake tensors on a CPU-only wheel) with no graph break."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
     if not torch.cuda.is_available():
-        monkeypatch.setattr(torch.Tensor, "__getitem__", getitem_through_the_dispatcher)
+        monkeypatch.setattr(FakeTensor, "__getitem__", getitem_through_the_dispatcher)
     for model_cls, config in ((Step5Model, Step5Config()), (InklingModel, InklingConfig())):
         # Start from a clean Dynamo: an earlier test's compile of the same forward would make the token
         # count a dynamic symbol here, and some fake-CUDA kernels do not exist on a CPU-only wheel.

@@ -32,11 +32,11 @@ def test_round_to_e4m3_saturates_past_the_largest_code():
 def test_a_runner_on_another_gpu_steps_inside_its_device(monkeypatch, model_cls, config):
     """Also the eager CUDA path (test_compile traces the compiled one) with fake tensors: no host read of a
     device tensor (a fake one has no data) and no CPU tensor meeting a CUDA one."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
     if torch.cuda.is_available():
         pytest.skip("traces fake CUDA tensors on a CPU-only wheel")
-    monkeypatch.setattr(torch.Tensor, "__getitem__", getitem_through_the_dispatcher)
+    monkeypatch.setattr(FakeTensor, "__getitem__", getitem_through_the_dispatcher)
     current: list[torch.device] = []
     forwards: list[list[torch.device]] = []
 
