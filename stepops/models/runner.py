@@ -497,6 +497,8 @@ class StepRunner:
         stop id that can never be emitted is a mistake, not a request to run to ``max_new_tokens``)."""
         if is_int(stop_tokens):  # one id, as transformers' eos_token_id takes it
             ids = [stop_tokens]
+        elif isinstance(stop_tokens, torch.Tensor):  # of any shape; bool or float ids are refused below
+            ids = stop_tokens.reshape(-1).tolist()
         elif isinstance(stop_tokens, Iterable) and not isinstance(stop_tokens, (str, bytes)):
             ids = list(stop_tokens)
         else:

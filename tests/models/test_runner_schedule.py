@@ -192,6 +192,7 @@ def test_token_steps_and_generate_check_their_arguments_before_any_step():
         (lambda: runner.generate([[1]], 2, stop_tokens=True), TypeError,
          "stop_tokens must be a token id or a sequence of them, got bool"),
         (lambda: runner.generate([[1]], 2, stop_tokens="2"), TypeError, "sequence of them, got str"),
+        (lambda: runner.generate([[1]], 2, stop_tokens=torch.tensor([1.0])), TypeError, "stop_tokens: token ids must be integers"),
     ):  # fmt: skip
         with pytest.raises(error, match=match):
             call()
