@@ -42,9 +42,10 @@ from stepops.specs import check_int
 SCALE_SUFFIX = ".weight_scale_inv"
 # Step4ForCausalLM keeps its head beside the decoder (``model.``): read without the prefix.
 HEAD = "lm_head.weight"
-# In the checkpoint but read by nothing: the reference registers ssmax_s at its initial value and its
-# indexer scores with a weighted ReLU, which has no softmax for it to scale.
-IGNORED = re.compile(r"layers\.\d+\.self_attn\.ssmax_s")
+# In the checkpoint but read by nothing: the reference registers ssmax_s ([num_attention_heads] fp32) on
+# its sparse (CSA) layers at its initial value, and its indexer scores with a weighted ReLU, which has no
+# softmax for it to scale. Dropped there only, after the same shape check a registered tensor gets.
+UNUSED = re.compile(r"layers\.(\d+)\.self_attn\.ssmax_s")
 
 
 def load_step5_state_dict(model: Step5Model, state_dict: Mapping[str, torch.Tensor], *, prefix: str = "") -> None:
@@ -73,7 +74,7 @@ def load_step5_state_dict(model: Step5Model, state_dict: Mapping[str, torch.Tens
             continue
         if name.endswith(SCALE_SUFFIX):
             scales[name[: -len(SCALE_SUFFIX)] + ".weight"] = tensor
-        elif not IGNORED.fullmatch(name):
+        elif not _unused(model, name, tensor, key_of(name)):
             tensors[name] = tensor
     unexpected += [key_of(n) for n in tensors if n not in params]
     unexpected += [prefix + n[: -len(".weight")] + SCALE_SUFFIX for n in scales if n not in tensors]
@@ -101,6 +102,20 @@ def load_step5_state_dict(model: Step5Model, state_dict: Mapping[str, torch.Tens
         else:
             with torch.no_grad():
                 param.copy_(tensor)
+
+
+def _unused(model: Step5Model, name: str, tensor: torch.Tensor, key: str) -> bool:
+    """Whether ``name`` is a CSA layer's unused ``ssmax_s`` (then dropped), after checking its shape and dtype;
+    on another layer it is left to be reported as unexpected."""
+    match = UNUSED.fullmatch(name)
+    if match is None or not int(match.group(1)) < len(model.layers) or model.layers[int(match.group(1))].kind != CSA:
+        return False
+    if tensor.shape != (model.config.num_heads,) or not tensor.is_floating_point():
+        raise ValueError(
+            f"{key}: expected a floating-point [num_heads] = [{model.config.num_heads}] tensor, got "
+            f"{tensor.dtype} of shape {tuple(tensor.shape)}"
+        )
+    return True
 
 
 def load_step5_safetensors(model: Step5Model, directory: str | Path, *, prefix: str = "") -> None:

@@ -152,10 +152,21 @@ def test_a_name_outside_the_prefix_is_unexpected():
         _load(checkpoint)
 
 
-def test_the_unused_ssmax_s_is_accepted():
+def test_the_unused_ssmax_s_is_accepted_where_the_reference_has_it():
+    """On a CSA layer (layer 1), [num_heads] fp32, as the reference registers it; anywhere else it is not the
+    reference's tensor."""
     checkpoint = random_step5_checkpoint(_CONFIG, seed=0)
     checkpoint["layers.1.self_attn.ssmax_s"] = torch.zeros(_CONFIG.num_heads)
     _load(checkpoint)
+    for key, tensor, error, match in (
+        ("layers.0.self_attn.ssmax_s", torch.zeros(_CONFIG.num_heads), ValueError, r"unexpected \['layers\.0\.self_attn\.ssmax_s'\]"),
+        ("layers.7.self_attn.ssmax_s", torch.zeros(_CONFIG.num_heads), ValueError, r"unexpected \['layers\.7\.self_attn\.ssmax_s'\]"),
+        ("layers.1.self_attn.ssmax_s", torch.zeros(99, 3), ValueError,
+         r"layers\.1\.self_attn\.ssmax_s: expected a floating-point \[num_heads\] = \[4\] tensor, got torch\.float32 of shape \(99, 3\)"),
+        ("layers.1.self_attn.ssmax_s", torch.zeros(4, dtype=torch.int32), ValueError, r"got torch\.int32 of shape \(4,\)"),
+    ):  # fmt: skip
+        with pytest.raises(error, match=match):
+            _load({**random_step5_checkpoint(_CONFIG, seed=0), key: tensor})
 
 
 def test_a_scale_without_its_weight_and_fp8_without_a_scale_are_errors():
