@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import numbers
 import random
 import time
 import types
@@ -67,6 +68,18 @@ def capture_sizes_for(max_tokens: int) -> tuple[int, ...]:
     return tuple(sizes) + (max(max_tokens, 2),)
 
 
+def _is_token_id(value: object) -> bool:
+    """An integer (Python, NumPy) and not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _check_in_range(what: str, ids: Sequence[int], end: int, which: str) -> None:
+    """``ValueError`` naming the first of ``ids`` outside ``[0, end)`` (``which`` says what the range is)."""
+    outside = [int(t) for t in ids if not 0 <= t < end]
+    if outside:
+        raise ValueError(f"{what}: token ids must be in [0, {end}) ({which}), got {outside[0]}")
+
+
 def _check_token_list(what: str, ids: Sequence[int]) -> None:
     """``TypeError`` unless ``ids`` are integers (floats and bools were truncated into token ids)."""
     ids = list(ids)
@@ -75,6 +88,16 @@ def _check_token_list(what: str, ids: Sequence[int]) -> None:
         dtype = torch.bool
     if not is_integer_dtype(dtype):
         raise TypeError(f"{what}: token ids must be integers, got {dtype}")
+
+
+def _proposed(draft: Callable[[int, list[int]], Sequence[int]], i: int, tokens: list[int]) -> list[int]:
+    """``draft(i, tokens)`` as a checked list of token ids (``TypeError`` naming the draft otherwise)."""
+    proposal = draft(i, list(tokens))
+    if not isinstance(proposal, Iterable) or isinstance(proposal, (str, bytes)):
+        raise TypeError(f"draft for prompt {i} must return a sequence of token ids, got {type(proposal).__name__}")
+    proposal = list(proposal)
+    _check_token_list(f"draft for prompt {i}", proposal)
+    return proposal
 
 
 def step_function(forward: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
@@ -427,8 +450,9 @@ class StepRunner:
 
         Prompt ``i`` takes request slot ``i`` (the runner's caches start empty for it). Prompts are prefilled
         in chunks that fit the largest step; then each step feeds every request its last token, and with
-        ``draft``, ``draft(i, tokens_so_far)`` proposed next tokens after it (a verify step): the drafts
-        that equal the greedy choice before them are accepted, the first that does not is replaced by that
+        ``draft``, ``draft(i, tokens_so_far)`` proposed next tokens after it (a verify step; cut to the
+        step budget, to ``max_new_tokens`` and to a Step5 model's ``max_rollback``, which a rejected draft
+        must not exceed): the drafts that equal the greedy choice before them are accepted, the first that does not is replaced by that
         choice, and the rest are rejected (the next step overwrites their cache rows). The emitted tokens
         are the same with or without drafts. Argmax over the logits; the first of equal maxima wins (as
         ``torch.argmax``). A request that emits one of ``stop_tokens`` (end-of-sequence ids) stops there:
@@ -451,8 +475,9 @@ class StepRunner:
             raise ValueError(f"{len(prompts)} prompts; the runner has {self.max_requests} request slots")
         if any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
-        for i, prompt in enumerate(prompts):
+        for i, prompt in enumerate(prompts):  # all before the first step writes a cache
             _check_token_list(f"prompt {i}", prompt)
+            _check_in_range(f"prompt {i}", prompt, self.model.config.vocab_size, "the vocabulary")
         stop = self._stop_token_set(stop_tokens)
         budget = self.max_tokens
         seqs = [list(p) for p in prompts]
@@ -468,8 +493,10 @@ class StepRunner:
                 chunk = pending[:room]
                 drafts: list[int] = []
                 if draft is not None and len(pending) == 1:
-                    drafts = list(draft(i, list(seq)))[: min(room - 1, max_new_tokens - new[i] - 1)]
-                    _check_token_list(f"draft for prompt {i}", drafts)
+                    most = min(room - 1, max_new_tokens - new[i] - 1)
+                    if self._max_rollback is not None:  # 0 with a 7-row ring: no drafts at all
+                        most = min(most, self._max_rollback)
+                    drafts = _proposed(draft, i, seq)[:most]
                 room -= len(chunk) + len(drafts)
                 ids = torch.tensor(chunk + drafts, dtype=torch.int64, device="cpu")  # host ids: checked, then copied
                 batch.append(ScheduledRequest(i, cached[i], ids))
@@ -493,23 +520,23 @@ class StepRunner:
         return [seq[len(p) :] for seq, p in zip(seqs, prompts)]
 
     def _stop_token_set(self, stop_tokens: int | Iterable[int]) -> frozenset[int]:
-        """``generate``'s stop ids as a set, after refusing non-integers and ids outside the vocabulary (a
-        stop id that can never be emitted is a mistake, not a request to run to ``max_new_tokens``)."""
-        if is_int(stop_tokens):  # one id, as transformers' eos_token_id takes it
+        """``generate``'s stop ids as a set, after refusing what is not an id or a flat collection of ids, and
+        ids the model cannot emit (past its logits, as Inkling's padded vocabulary rows): a stop id that can
+        never fire is a mistake, not a request to run to ``max_new_tokens``."""
+        if isinstance(stop_tokens, torch.Tensor):
+            stop_tokens = stop_tokens.tolist()  # 0-d: one id; n-d: nested lists, refused below
+        if _is_token_id(stop_tokens):  # one id, as transformers' eos_token_id takes it
             ids = [stop_tokens]
-        elif isinstance(stop_tokens, torch.Tensor):  # of any shape; bool or float ids are refused below
-            ids = stop_tokens.reshape(-1).tolist()
         elif isinstance(stop_tokens, Iterable) and not isinstance(stop_tokens, (str, bytes)):
             ids = list(stop_tokens)
         else:
             raise TypeError(f"stop_tokens must be a token id or a sequence of them, got {type(stop_tokens).__name__}")
-        _check_token_list("stop_tokens", ids)
-        ids = [int(t) for t in ids]
-        vocab = self.model.config.vocab_size
-        outside = [t for t in ids if not 0 <= t < vocab]
-        if outside:
-            raise ValueError(f"stop_tokens: token ids must be in [0, {vocab}) (the vocabulary), got {outside[0]}")
-        return frozenset(ids)
+        not_ids = [t for t in ids if not _is_token_id(t)]
+        if not_ids:
+            raise TypeError(f"stop_tokens: token ids must be integers, got {type(not_ids[0]).__name__}")
+        config = self.model.config
+        _check_in_range("stop_tokens", ids, getattr(config, "output_vocab_size", config.vocab_size), "the ids the model can emit")
+        return frozenset(int(t) for t in ids)
 
     def warm_up(self, progress: Callable[[str], None] | None = None) -> None:
         """Compile (or capture) every capture size with padding-only steps, which write nothing."""

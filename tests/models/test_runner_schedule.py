@@ -7,10 +7,11 @@ schedule reaches the device in non-blocking copies (each blocking one is a strea
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
-from stepops.models import InklingConfig, InklingModel, Step5Config, Step5Model
+from stepops.models import InklingConfig, InklingModel, Step5Config, Step5ForCausalLM, Step5Model
 from stepops.models.runner import TOKENS, ScheduledRequest, StepRunner, Workload, run_workload
 from stepops.testing.step5_checkpoint import random_step5_checkpoint
 from stepops.testing.storage import StorageSnapshot
@@ -93,8 +94,31 @@ def test_a_stop_token_is_one_id_or_any_collection_of_ids():
     stop = full[0][2]
     want = [full[0][: full[0].index(stop) + 1], full[1][: full[1].index(stop) + 1] if stop in full[1] else full[1]]
     assert len(want[0]) < 6
-    for stop_tokens in (stop, [stop], torch.tensor([stop]), (t for t in [stop])):
+    for stop_tokens in (stop, [stop], torch.tensor([stop]), torch.tensor(stop), (t for t in [stop]), np.int64(stop),
+                        np.array([stop])):
         assert runner.generate(prompts, 6, stop_tokens=stop_tokens) == want
+
+
+def test_padded_vocabulary_rows_are_not_stop_tokens():
+    """Inkling's logits cover the unpadded vocabulary: a padded row's id can never be emitted."""
+    torch.manual_seed(0)
+    model = InklingModel(InklingConfig(unpadded_vocab_size=120))
+    runner = StepRunner(model, max_requests=1, max_model_len=16, max_tokens=8, device="cpu", inputs="tokens")
+    with pytest.raises(ValueError, match=r"^stop_tokens: token ids must be in \[0, 120\) \(the ids the model can emit\), got 125$"):
+        runner.generate([[1]], 2, stop_tokens=[125])
+    runner.generate([[125]], 1)  # an input id, though: the embedding has the row
+
+
+def test_step5_drafts_are_cut_to_what_its_rings_can_roll_back():
+    """A draft callable that proposes more than the rings keep (max_rollback) would make the next step start
+    too far back after a rejection; generate cuts the drafts, as it cuts them to the step budget."""
+    torch.manual_seed(0)
+    model = Step5ForCausalLM(Step5Config())
+    runner = StepRunner(model, max_requests=1, max_model_len=40, max_tokens=16, device="cpu", inputs="tokens")
+    plain = runner.generate([[5, 9, 2]], 12)
+    assert model.max_rollback == 3
+    wrong = lambda i, seq: [(t + 1) % 128 for t in plain[0][len(seq) - 3 :][:6]] + [0] * 6  # noqa: E731
+    assert runner.generate([[5, 9, 2]], 12, draft=wrong) == plain
 
 
 def test_max_tokens_1_runs_only_1_token_steps():
@@ -186,13 +210,19 @@ def test_token_steps_and_generate_check_their_arguments_before_any_step():
         (lambda: runner.generate([[1], []], 2), ValueError, "every prompt needs at least one token"),
         # a stop id that can never be emitted would silently run every request to max_new_tokens
         (lambda: runner.generate([[1]], 2, stop_tokens=[3, 128]), ValueError,
-         r"^stop_tokens: token ids must be in \[0, 128\) \(the vocabulary\), got 128$"),
-        (lambda: runner.generate([[1]], 2, stop_tokens=-1), ValueError, r"\(the vocabulary\), got -1$"),
-        (lambda: runner.generate([[1]], 2, stop_tokens=[2.0]), TypeError, "stop_tokens: token ids must be integers"),
+         r"^stop_tokens: token ids must be in \[0, 128\) \(the ids the model can emit\), got 128$"),
+        (lambda: runner.generate([[1]], 2, stop_tokens=-1), ValueError, r"\(the ids the model can emit\), got -1$"),
+        (lambda: runner.generate([[1]], 2, stop_tokens=[2.0]), TypeError, "stop_tokens: token ids must be integers, got float"),
         (lambda: runner.generate([[1]], 2, stop_tokens=True), TypeError,
          "stop_tokens must be a token id or a sequence of them, got bool"),
         (lambda: runner.generate([[1]], 2, stop_tokens="2"), TypeError, "sequence of them, got str"),
-        (lambda: runner.generate([[1]], 2, stop_tokens=torch.tensor([1.0])), TypeError, "stop_tokens: token ids must be integers"),
+        (lambda: runner.generate([[1]], 2, stop_tokens=torch.tensor([1.0])), TypeError, "integers, got float"),
+        (lambda: runner.generate([[1]], 2, stop_tokens=[[5, 6]]), TypeError, "integers, got list"),
+        (lambda: runner.generate([[1]], 2, stop_tokens=torch.tensor([[5]])), TypeError, "integers, got list"),
+        # checked before any step: with max_new_tokens 0 no step would have seen it
+        (lambda: runner.generate([[1], [999, -5]], 0), ValueError, r"^prompt 1: token ids must be in \[0, 128\) \(the vocabulary\), got 999$"),
+        (lambda: runner.generate([[1]], 2, draft=lambda i, seq: None), TypeError,
+         "draft for prompt 0 must return a sequence of token ids, got NoneType"),
     ):  # fmt: skip
         with pytest.raises(error, match=match):
             call()
@@ -390,5 +420,5 @@ def test_generate_under_a_default_device_feeds_host_ids_that_are_checked():
     runner = StepRunner(model, max_requests=2, max_model_len=16, max_tokens=8, device="cpu", inputs="tokens")
     with torch.device("meta"):
         assert runner.generate([[1, 2, 3], [4, 5]], 3, draft=lambda i, seq: [seq[-1], 7]) == want
-        with pytest.raises(ValueError, match=r"^request slot 1: token ids must be in \[0, 128\)"):
+        with pytest.raises(ValueError, match=r"^prompt 1: token ids must be in \[0, 128\) \(the vocabulary\), got 300$"):
             runner.generate([[1], [2, 300]], 1)
