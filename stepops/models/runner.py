@@ -452,8 +452,9 @@ class StepRunner:
         in chunks that fit the largest step; then each step feeds every request its last token, and with
         ``draft``, ``draft(i, tokens_so_far)`` proposed next tokens after it (a verify step; cut to the
         step budget, to ``max_new_tokens`` and to a Step5 model's ``max_rollback``, which a rejected draft
-        must not exceed): the drafts that equal the greedy choice before them are accepted, the first that does not is replaced by that
-        choice, and the rest are rejected (the next step overwrites their cache rows). The emitted tokens
+        must not exceed): the drafts that equal the greedy choice before them are accepted, the first that
+        does not is replaced by that choice, and the rest are rejected (the next step overwrites their cache
+        rows). The emitted tokens
         are the same with or without drafts. Argmax over the logits; the first of equal maxima wins (as
         ``torch.argmax``). A request that emits one of ``stop_tokens`` (end-of-sequence ids) stops there:
         its list ends with that token and may be shorter than ``max_new_tokens`` (as ``eos_token_id`` in
@@ -535,7 +536,8 @@ class StepRunner:
         if not_ids:
             raise TypeError(f"stop_tokens: token ids must be integers, got {type(not_ids[0]).__name__}")
         config = self.model.config
-        _check_in_range("stop_tokens", ids, getattr(config, "output_vocab_size", config.vocab_size), "the ids the model can emit")
+        emitted = getattr(config, "output_vocab_size", config.vocab_size)  # Inkling's logits leave out padding
+        _check_in_range("stop_tokens", ids, emitted, "the ids the model can emit")
         return frozenset(int(t) for t in ids)
 
     def warm_up(self, progress: Callable[[str], None] | None = None) -> None:

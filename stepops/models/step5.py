@@ -131,9 +131,9 @@ class Step5Config:
     layer_types: tuple[str, ...] = field(default=(SLIDING, CSA))
 
     def __post_init__(self) -> None:
-        for name in ("hidden_size", "vocab_size", "num_heads", "num_kv_heads", "head_dim", "intermediate_size", "sliding_window",
-                     "index_num_heads", "index_proxy_dim", "index_top_k", "moe_num_experts", "moe_top_k",
-                     "moe_intermediate_size", "share_expert_dim"):
+        for name in ("hidden_size", "vocab_size", "num_heads", "num_kv_heads", "head_dim", "intermediate_size",
+                     "sliding_window", "index_num_heads", "index_proxy_dim", "index_top_k", "moe_num_experts",
+                     "moe_top_k", "moe_intermediate_size", "share_expert_dim"):
             check_int(name, getattr(self, name), 1)
         check_int("index_rope_dim", self.index_rope_dim, 2)
         check_int("num_speculative_tokens", self.num_speculative_tokens, 0)
