@@ -108,7 +108,8 @@ def _unused(model: Step5Model, name: str, tensor: torch.Tensor, key: str) -> boo
     """Whether ``name`` is a CSA layer's unused ``ssmax_s`` (then dropped), after checking its shape and dtype;
     on another layer it is left to be reported as unexpected."""
     match = UNUSED.fullmatch(name)
-    if match is None or not int(match.group(1)) < len(model.layers) or model.layers[int(match.group(1))].kind != CSA:
+    layer = int(match.group(1)) if match else len(model.layers)
+    if layer >= len(model.layers) or model.layers[layer].kind != CSA:
         return False
     if tensor.shape != (model.config.num_heads,) or not tensor.is_floating_point():
         raise ValueError(
@@ -146,7 +147,7 @@ def load_step5(
     config = step5_config_from_reference(reference, num_speculative_tokens=num_speculative_tokens)
     state_dict = _read_safetensors(path)
     num_layers = len(config.layer_types)
-    mtp_layers = range(num_layers, num_layers + reference.get("num_nextn_predict_layers", 1))
+    mtp_layers = range(num_layers, num_layers + _num_mtp_layers(reference))
     mtp_prefixes = tuple(f"model.layers.{i}." for i in mtp_layers)
     skipped = [key for key in state_dict if key.startswith(mtp_prefixes)]
     for key in skipped:
@@ -218,10 +219,9 @@ def step5_config_from_reference(config: Mapping[str, Any], *, num_speculative_to
         if got != value:
             raise ValueError(f"{where}{key} = {got!r} is not supported: Step5 runs with {value!r}")
     try:
-        num_layers, num_mtp = c["num_hidden_layers"], c.get("num_nextn_predict_layers", 1)
+        num_layers = c["num_hidden_layers"]
         check_int("num_hidden_layers", num_layers, 1)
-        check_int("num_nextn_predict_layers", num_mtp, 0)
-        total = num_layers + num_mtp
+        total = num_layers + _num_mtp_layers(c)
         kinds = _layer_kinds(c.get("layer_types") or ["full_attention"] * total, num_layers, total, sparse)
         theta, rotary, scaling = _rope_by_kind(c, kinds, total)
         heads = dict(num_heads=c["num_attention_heads"], num_kv_heads=c["num_attention_groups"])
@@ -259,6 +259,13 @@ def step5_config_from_reference(config: Mapping[str, Any], *, num_speculative_to
         )
     except KeyError as missing:
         raise ValueError(f"the Step5 config has no {missing.args[0]!r}") from None
+
+
+def _num_mtp_layers(c: Mapping[str, Any]) -> int:
+    """The multi-token-prediction layers after the main stack (``num_nextn_predict_layers``, default 1)."""
+    num_mtp = c.get("num_nextn_predict_layers", 1)
+    check_int("num_nextn_predict_layers", num_mtp, 0)
+    return num_mtp
 
 
 def _per_layer(c: Mapping[str, Any], key: str, default: Any, total: int) -> Sequence[Any]:
