@@ -610,8 +610,13 @@ class Workload:
         check_int("seed", self.seed, 0)
 
     @property
+    def lengths(self) -> list[int]:
+        """Each request's committed length: its prompt and decoded tokens."""
+        return [p + d for p, d in zip(self.prompt_lens, self.decode_lens)]
+
+    @property
     def max_len(self) -> int:
-        return max(p + d for p, d in zip(self.prompt_lens, self.decode_lens)) + self.num_speculative_tokens
+        return max(self.lengths) + self.num_speculative_tokens
 
 
 @dataclass
@@ -632,7 +637,7 @@ def run_workload(runner: StepRunner, workload: Workload, hidden_size: int) -> Wo
     rng = random.Random(workload.seed)
     gen = torch.Generator().manual_seed(workload.seed)
     n = len(workload.prompt_lens)
-    lengths = [p + d for p, d in zip(workload.prompt_lens, workload.decode_lens)]
+    lengths = workload.lengths
     # Host tensors whatever default device the caller has set (the generator is a host one).
     inputs = [torch.randn(length, hidden_size, generator=gen, device="cpu").bfloat16() for length in lengths]
     outputs = [torch.full((length, hidden_size), torch.nan, dtype=torch.bfloat16, device="cpu") for length in lengths]
