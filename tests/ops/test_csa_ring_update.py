@@ -299,6 +299,7 @@ def _replace(index, value):
 
 BAD_INPUTS = {
     "index_k_float32": (_replace(0, lambda t: t.float()), TypeError, "index_k must be bfloat16"),
+    "index_z_float32": (_replace(1, lambda t: t.float()), TypeError, "index_z must be bfloat16"),
     "index_z_shape": (_replace(1, lambda t: t[:, :8]), ValueError, r"must both be \[T, P\]"),
     "ring_row_width": (_replace(2, lambda t: t[:, :24]), ValueError, "ring rows have 24 values"),
     "ring_too_small": (_replace(2, lambda t: t[:9]), ValueError, "fewer than capacity 10"),

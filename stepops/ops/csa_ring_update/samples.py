@@ -208,6 +208,10 @@ def error_inputs(device: torch.device) -> Iterator[ErrorInput]:
         r"csa_ring_update: summary_cache \(shape \(8, 4\), strides \(0, 1\)\) lets several of its positions share",
     )  # fmt: skip
     yield ErrorInput(
+        call("index_z_float32", lambda args: args.__setitem__(1, args[1].float())), TypeError,
+        "csa_ring_update: index_z must be bfloat16",
+    )  # fmt: skip
+    yield ErrorInput(
         call("summary_float32", lambda args: args.__setitem__(3, args[3].float())), TypeError,
         "csa_ring_update: summary_cache must be bfloat16",
     )  # fmt: skip

@@ -8,7 +8,7 @@ from stepops._library import declare_op
 from stepops._meta.errors import check_arg_types
 from stepops._meta.paged_kv_write import paged_kv_write_fake
 from stepops._triton import triton_launcher
-from stepops.ops.paged_kv_write.samples import paged_kv_write_error_inputs, paged_kv_write_samples
+from stepops.ops.paged_kv_write.samples import error_inputs, samples
 from stepops.ops.paged_kv_write.torch_kernel import paged_kv_write_torch
 from stepops.ops.paged_kv_write.validate import validate_paged_kv_write_inputs
 
@@ -20,8 +20,8 @@ declare_op(
         "stepops::paged_kv_write", "stepops.ops.paged_kv_write.triton_kernel", "paged_kv_write_triton"
     ),
     fake=paged_kv_write_fake,
-    samples=paged_kv_write_samples,
-    error_inputs=paged_kv_write_error_inputs,
+    samples=samples,
+    error_inputs=error_inputs,
 )
 
 

@@ -16,7 +16,7 @@ def _slots(num_blocks: int, block_size: int, num_tokens: int, num_padding: int, 
     return torch.cat([real, pad]).to(dtype=dtype, device=device)
 
 
-def paged_kv_write_samples(device: torch.device) -> Iterator[SampleInput]:
+def samples(device: torch.device) -> Iterator[SampleInput]:
     gen = torch.Generator().manual_seed(0)
 
     def make(name, *, tokens, heads, head_size, head_size_v, num_blocks, block_size, padding=0,
@@ -65,7 +65,7 @@ def paged_kv_write_samples(device: torch.device) -> Iterator[SampleInput]:
                dtype=torch.float8_e5m2, page_stride_pad=16)
 
 
-def paged_kv_write_error_inputs(device: torch.device) -> Iterator[ErrorInput]:
+def error_inputs(device: torch.device) -> Iterator[ErrorInput]:
     """Bad calls and their errors: out-of-range and negative slots (with a valid token first, so a partial
     write would show), and each shape/dtype rule. Caches sit inside larger buffers (``guarded``)."""
     gen = torch.Generator().manual_seed(1)
@@ -73,13 +73,13 @@ def paged_kv_write_error_inputs(device: torch.device) -> Iterator[ErrorInput]:
     num_slots = num_blocks * block_size
 
     def call(name, *, slots=(5, 0, -1), key_dtype=torch.bfloat16, cache_dtype=torch.bfloat16, errors=None,
-             key_shape=None, slot_dtype=torch.int32):
+             key_shape=None, slot_dtype=torch.int32, value_cache_dtype=torch.bfloat16):
         tokens = len(slots)
         key = torch.randn(*(key_shape or (tokens, heads, dim)), generator=gen, device="cpu").to(key_dtype).to(device)
         value = torch.randn(tokens, heads, dim, generator=gen, device="cpu").to(torch.bfloat16).to(device)
         caches = [
             guarded(torch.randn(num_blocks, block_size, heads, dim, generator=gen, device="cpu").to(dtype).to(device))
-            for dtype in (cache_dtype, torch.bfloat16)
+            for dtype in (cache_dtype, value_cache_dtype)
         ]
         slot_mapping = torch.tensor(slots, dtype=slot_dtype, device=device)
         kwargs = {} if errors is None else {"errors": errors}
@@ -96,6 +96,9 @@ def paged_kv_write_error_inputs(device: torch.device) -> Iterator[ErrorInput]:
         r"paged_kv_write: slot_mapping must be \[T\]; got \(3, 1\)",
     )  # fmt: skip
     yield ErrorInput(call("cache_dtype", cache_dtype=torch.float16), TypeError, "a cache must have its input's dtype")
+    yield ErrorInput(
+        call("value_cache_dtype", value_cache_dtype=torch.float16), TypeError, "a cache must have its input's dtype"
+    )
     yield ErrorInput(call("token_count", key_shape=(2, heads, dim)), ValueError, "need the same token count")
     expanded = call("key_cache_expanded")
     key, value, key_cache, value_cache, slot_mapping = expanded.args
