@@ -108,7 +108,9 @@ def _unused(model: Step5Model, name: str, tensor: torch.Tensor, key: str) -> boo
     """Whether ``name`` is a CSA layer's unused ``ssmax_s`` (then dropped), after checking its shape and dtype;
     on another layer it is left to be reported as unexpected."""
     match = UNUSED.fullmatch(name)
-    layer = int(match.group(1)) if match else len(model.layers)
+    if match is None:
+        return False
+    layer = int(match.group(1))
     if layer >= len(model.layers) or model.layers[layer].kind != CSA:
         return False
     if tensor.shape != (model.config.num_heads,) or not tensor.is_floating_point():

@@ -67,12 +67,12 @@ def _run(model, workload: Workload, seed: int, max_tokens: int | None = None, *,
         model, max_requests=4, max_model_len=workload.max_len, max_tokens=max_tokens or workload.token_budget,
         device=_device(), seed=seed,
     )
-    layer_rows = CommittedLayerRows(runner, workload.lengths)
-    with layer_rows if record_layers else contextlib.nullcontext():
+    recorder = CommittedLayerRows(runner, workload.lengths) if record_layers else contextlib.nullcontext()
+    with recorder:
         result = run_workload(runner, workload, model.config.hidden_size)
     assert result.verify_turns > 0 and result.rejected_tokens > 0  # the workload exercises rollback
     assert all(not y.isnan().any() for y in result.outputs), "a committed position has no output"
-    return (result, layer_rows) if record_layers else result
+    return (result, recorder) if record_layers else result
 
 
 def _compare(model, result, state_dict=None):
