@@ -69,6 +69,17 @@ def check_int(name: str, value: object, minimum: int) -> None:
     check_fits_int64(name, value)
 
 
+def check_token_ids(name: str, ids: object, end: int) -> None:
+    """A config's tuple of ids the model emits (its end-of-sequence ids): ``TypeError`` unless a tuple of
+    ints, ``ValueError`` for an id outside ``[0, end)``."""
+    if not isinstance(ids, tuple):
+        raise TypeError(f"{name} must be a tuple of token ids, got {type(ids).__name__}")
+    for token in ids:
+        check_int(f"each of {name}", token, 0)
+        if token >= end:
+            raise ValueError(f"{name}: token ids must be in [0, {end}) (the ids the model emits), got {token}")
+
+
 @dataclass(frozen=True, kw_only=True)
 class AttentionSpec:
     """Paged KV cache of one attention-like layer: ``block_size`` tokens of ``num_kv_heads`` heads per page.

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -28,3 +30,21 @@ def read_safetensors_file(path: Path) -> dict[str, torch.Tensor]:
             return {key: f.get_tensor(key) for key in f.keys()}
     except (SafetensorError, OSError) as error:
         raise ValueError(f"{path}: not a readable safetensors file ({error})") from None
+
+
+Config = TypeVar("Config")  # a model config dataclass with output_vocab_size and eos_token_ids
+
+
+def with_eos_token_ids(config: Config, eos_token_id: object, where: str) -> Config:
+    """``config`` with a checkpoint's ``eos_token_id`` (``None``, one id or a list of ids) as its
+    ``eos_token_ids``. ``TypeError`` naming ``where`` for another value. An id the model cannot emit (outside
+    its vocabulary, or in an Inkling head's padding) never ends a sequence: it is left out with a warning, as
+    transformers keeps it with one."""
+    ids = [] if eos_token_id is None else eos_token_id if isinstance(eos_token_id, list) else [eos_token_id]
+    if not all(type(token) is int for token in ids):
+        raise TypeError(f"{where}: eos_token_id must be null, a token id or a list of them, got {eos_token_id!r}")
+    end = config.output_vocab_size
+    never = [token for token in ids if not 0 <= token < end]
+    if never:
+        warnings.warn(f"{where}: eos_token_id {never} outside [0, {end}) (the ids the model emits) is ignored", stacklevel=3)
+    return dataclasses.replace(config, eos_token_ids=tuple(token for token in ids if 0 <= token < end))

@@ -72,7 +72,7 @@ from stepops.models.tensor_parallel import (
 )
 from stepops.ops.paged_kv_write import paged_kv_write
 from stepops.owners import InklingConvState, PagedAttentionLayer
-from stepops.specs import check_int, is_int
+from stepops.specs import check_int, check_token_ids, is_int
 
 SLIDING = "sliding"
 GLOBAL = "global"
@@ -92,6 +92,8 @@ class InklingConfig:
     ``mlp_layer_types`` ``None`` makes every layer sparse (transformers' default). ``block_size`` is the
     attention KV cache's declared block size (the allocator may enlarge it). ``num_speculative_tokens`` (k,
     not a transformers setting): a verify step's k + 1 tokens of a request share one read of each KV page.
+    ``eos_token_ids``: the end-of-sequence ids a runner's ``generate`` stops at by default (transformers'
+    ``eos_token_id``; none for a config built here).
 
     Checks: every int field is an int (``TypeError``), used or not; values (``ValueError``) only where the
     layer and MLP kinds in use read them, accepting what transformers builds and the conv-state cache holds.
@@ -124,6 +126,7 @@ class InklingConfig:
     num_speculative_tokens: int = 3
     layer_types: tuple[str, ...] = (SLIDING, GLOBAL)
     mlp_layer_types: tuple[str, ...] | None = None
+    eos_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.mlp_layer_types is None:
@@ -189,6 +192,7 @@ class InklingConfig:
         # transformers slices the logits only when unpadded_vocab_size < vocab_size (a larger one keeps them all).
         if self.unpadded_vocab_size is not None and self.unpadded_vocab_size < 1:
             raise ValueError(f"unpadded_vocab_size must be None or >= 1, got {self.unpadded_vocab_size}")
+        check_token_ids("eos_token_ids", self.eos_token_ids, self.output_vocab_size)
 
     def attention_geometry(self, kind: str) -> tuple[int, int, int]:
         """``(query heads, KV heads, head_dim)`` of a ``kind`` (sliding or global) layer, all ranks."""

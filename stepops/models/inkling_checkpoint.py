@@ -11,6 +11,10 @@ The directory holds ``config.json`` and its weights as ``model.safetensors`` or 
   ``w13`` weights with interleaved rows ...), or, with ``save_original_format=False``, under module names
   (``model.language_model.layers.N.self_attn.q_proj.weight`` ...). Both are read.
 
+The end-of-sequence ids (``InklingConfig.eos_token_ids``, where ``generate`` stops by default) are read where
+transformers' ``generate`` reads them: ``generation_config.json``'s ``eos_token_id`` when that file is there
+(none if it has no such key), else ``config.json``'s (a multimodal config's own, else its ``text_config``'s).
+
 Only ``json`` and ``safetensors`` are read: transformers is not imported. :data:`WEIGHT_NAMES` and
 :data:`ORIGINAL_WEIGHT_NAMES` map every weight name to stepops' (``docs/models.md`` prints them). The
 vision tower, the audio tower and the multi-token-prediction layers are out of scope: their weights are
@@ -28,7 +32,7 @@ from typing import Any
 
 import torch
 
-from stepops.models.checkpoint_files import read_json_object, read_safetensors_file
+from stepops.models.checkpoint_files import read_json_object, read_safetensors_file, with_eos_token_ids
 from stepops.models.inkling import GLOBAL, SLIDING, InklingConfig, InklingModel, fuse_kv
 from stepops.specs import is_int
 
@@ -172,8 +176,13 @@ def config_from_transformers(hf: dict[str, Any], *, block_size: int = 16) -> Ink
 
     ``ValueError`` for another model type, an activation other than SiLU, a false ``is_causal``, an unknown
     layer type or a missing field. ``block_size`` is the attention KV cache's declared block size (not a transformers setting).
+    ``eos_token_id`` is read as transformers' ``GenerationConfig.from_model_config`` reads it: the config's
+    own, else its ``text_config``'s.
     """
+    eos_token_id = hf.get("eos_token_id")
     hf = dict(_text_config(hf))
+    if eos_token_id is None:
+        eos_token_id = hf.get("eos_token_id")
     for alias, name in _CONFIG_ALIASES.items():
         if alias in hf:
             hf[name] = hf.pop(alias)
@@ -190,12 +199,13 @@ def config_from_transformers(hf: dict[str, Any], *, block_size: int = 16) -> Ink
             "attention is causal"
         )
     try:
-        return _inkling_config(hf, block_size)
+        config = _inkling_config(hf, block_size)
     except KeyError as missing:
         raise ValueError(
             f"the Inkling config has no {missing.args[0]!r} (a config.json written by transformers' "
             "save_pretrained has every field)"
         ) from None
+    return with_eos_token_ids(config, eos_token_id, "the Inkling config")
 
 
 def _layer_types(hf: dict[str, Any]) -> tuple[list[str], list[str]]:
@@ -374,6 +384,9 @@ def load_inkling(
     if not multimodal and "InklingTextModel" in architectures:
         raise ValueError(f"{path}: an InklingTextModel checkpoint has no lm_head (no logits); save an InklingForCausalLM")
     config = config_from_transformers(hf, block_size=block_size)
+    generation_file = path / "generation_config.json"
+    if generation_file.exists():  # transformers' generate reads its stop ids there when it exists
+        config = with_eos_token_ids(config, read_json_object(generation_file).get("eos_token_id"), str(generation_file))
     # Built on the meta device, so nothing is allocated or randomly initialised until the checkpoint has been
     # read and checked; then allocated once on ``device`` (same strides: the conv weights stay tap-major) and
     # filled by load_state_dict: the load holds the model once, and spends no time on a random init.

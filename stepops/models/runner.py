@@ -444,7 +444,7 @@ class StepRunner:
         max_new_tokens: int,
         *,
         draft: Callable[[int, list[int]], Sequence[int]] | None = None,
-        stop_tokens: int | Iterable[int] = (),
+        stop_tokens: int | Iterable[int] | None = None,
     ) -> list[list[int]]:
         """Greedy decoding: up to ``max_new_tokens`` new token ids for each prompt, all in one ragged batch.
 
@@ -458,8 +458,10 @@ class StepRunner:
         are the same with or without drafts. Argmax over the logits; the first of equal maxima wins (as
         ``torch.argmax``). A request that emits one of ``stop_tokens`` (end-of-sequence ids) stops there:
         its list ends with that token and may be shorter than ``max_new_tokens`` (as ``eos_token_id`` in
-        transformers' ``generate``); the others go on. Needs ``inputs="tokens"``; reads the logits on the
-        host between steps, never inside one.
+        transformers' ``generate``); the others go on. ``None`` stops at the model config's
+        ``eos_token_ids`` (a loaded checkpoint's, as transformers' and the reference's ``generate`` default
+        to them); ``()`` runs every request to ``max_new_tokens``. Needs ``inputs="tokens"``; reads the
+        logits on the host between steps, never inside one.
         """
         if self.input_kind != TOKENS:
             raise ValueError('generate needs a runner built with inputs="tokens"')
@@ -520,10 +522,14 @@ class StepRunner:
                 cached[i] = len(seqs[i]) - 1
         return [seq[len(p) :] for seq, p in zip(seqs, prompts)]
 
-    def _stop_token_set(self, stop_tokens: int | Iterable[int]) -> frozenset[int]:
-        """``generate``'s stop ids as a set, after refusing what is not an id or a flat collection of ids, and
-        ids the model cannot emit (past its logits, as Inkling's padded vocabulary rows): a stop id that can
-        never fire is a mistake, not a request to run to ``max_new_tokens``."""
+    def _stop_token_set(self, stop_tokens: int | Iterable[int] | None) -> frozenset[int]:
+        """``generate``'s stop ids as a set (``None``: the config's ``eos_token_ids``), after refusing what is
+        not an id or a flat collection of ids, and ids the model cannot emit (past its logits, as Inkling's
+        padded vocabulary rows): a stop id that can never fire is a mistake, not a request to run to
+        ``max_new_tokens``."""
+        config = self.model.config
+        if stop_tokens is None:
+            return frozenset(config.eos_token_ids)  # checked by the config against its output_vocab_size
         if isinstance(stop_tokens, torch.Tensor):
             stop_tokens = stop_tokens.tolist()  # 0-d: one id; n-d: nested lists, refused below
         if _is_token_id(stop_tokens):  # one id, as transformers' eos_token_id takes it
@@ -535,9 +541,7 @@ class StepRunner:
         not_ids = [t for t in ids if not _is_token_id(t)]
         if not_ids:
             raise TypeError(f"stop_tokens: token ids must be integers, got {type(not_ids[0]).__name__}")
-        config = self.model.config
-        emitted = getattr(config, "output_vocab_size", config.vocab_size)  # Inkling's logits leave out padding
-        _check_in_range("stop_tokens", ids, emitted, "the ids the model can emit")
+        _check_in_range("stop_tokens", ids, config.output_vocab_size, "the ids the model can emit")
         return frozenset(int(t) for t in ids)
 
     def warm_up(self, progress: Callable[[str], None] | None = None) -> None:

@@ -49,7 +49,7 @@ from stepops.models.moe import small_step_max_tokens
 from stepops.models.paged_attention import csa_region_scorer, paged_attention, sparse_region_attention, streaming_topk
 from stepops.ops.paged_kv_write import paged_kv_write
 from stepops.owners import PagedAttentionLayer, Step5CSATailRing
-from stepops.specs import check_int, is_int
+from stepops.specs import check_int, check_token_ids, is_int
 
 SLIDING = "sliding"
 CSA = "csa"
@@ -99,6 +99,8 @@ class Step5Config:
     ``swiglu_limits_shared`` lists; :meth:`swiglu_limits` reads a layer's. ``moe_renormalize`` is the
     reference's ``norm_expert_weight``: whether the routed weights are divided by their sum.
     ``head_wise_attn_gate`` is its ``use_head_wise_attn_gate``: without it, no ``g_proj`` and no gate.
+    ``eos_token_ids``: the end-of-sequence ids a runner's ``generate`` stops at by default (the reference's
+    ``eos_token_id``; none for a config built here).
     """
 
     hidden_size: int = 64
@@ -129,6 +131,7 @@ class Step5Config:
     moe_renormalize: bool = True
     head_wise_attn_gate: bool = True
     layer_types: tuple[str, ...] = field(default=(SLIDING, CSA))
+    eos_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "vocab_size", "num_heads", "num_kv_heads", "head_dim", "intermediate_size",
@@ -137,6 +140,7 @@ class Step5Config:
             check_int(name, getattr(self, name), 1)
         check_int("index_rope_dim", self.index_rope_dim, 2)
         check_int("num_speculative_tokens", self.num_speculative_tokens, 0)
+        check_token_ids("eos_token_ids", self.eos_token_ids, self.output_vocab_size)
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
         if self.index_num_heads % self.num_kv_heads:
@@ -210,6 +214,11 @@ class Step5Config:
         return of_layer(self.swiglu_limit), of_layer(self.swiglu_limit_shared)
 
     @property
+    def output_vocab_size(self) -> int:
+        """Logits per token (``vocab_size``: the head is not padded)."""
+        return self.vocab_size
+
+    @property
     def index_heads_per_group(self) -> int:
         """Indexer query heads per KV group (the reference's ``heads_per_group``)."""
         return self.index_num_heads // self.num_kv_heads
@@ -260,6 +269,7 @@ STEP5_REFERENCE = Step5Config(
     moe_intermediate_size=1536,
     share_expert_dim=1536,
     layer_types=tuple(CSA if i % 4 == 3 else SLIDING for i in range(92)),
+    eos_token_ids=(1, 2),
 )
 
 

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from stepops.models.checkpoint_files import read_json_object, read_safetensors_file
+from stepops.models.checkpoint_files import read_json_object, read_safetensors_file, with_eos_token_ids
 from stepops.models.dtypes import tensor_dtypes
 from stepops.models.step5 import (
     CSA,
@@ -235,7 +235,7 @@ def step5_config_from_reference(config: Mapping[str, Any], *, num_speculative_to
                 )
             heads |= dict(index_num_heads=sparse.get("sparse_indexer_num_heads", 16),
                           index_rope_dim=sparse.get("sparse_indexer_rope_dim", 32), index_top_k=sparse.get("topk", 512))
-        return Step5Config(
+        step5 = Step5Config(
             **heads,
             hidden_size=c["hidden_size"],
             vocab_size=c.get("vocab_size", 128896),
@@ -261,6 +261,8 @@ def step5_config_from_reference(config: Mapping[str, Any], *, num_speculative_to
         )
     except KeyError as missing:
         raise ValueError(f"the Step5 config has no {missing.args[0]!r}") from None
+    eos_token_id = c.get("eos_token_id")  # Step4Config: [1, 2] unless given
+    return with_eos_token_ids(step5, [1, 2] if eos_token_id is None else eos_token_id, "the Step5 config")
 
 
 def _num_mtp_layers(c: Mapping[str, Any]) -> int:

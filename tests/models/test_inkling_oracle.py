@@ -30,7 +30,8 @@ import torch._dynamo.testing
 from torch._dynamo.utils import counters
 
 from inkling_oracle_helpers import FP32_LAYER, HF_CONFIG, VOCAB, randomize_parameters, single_file_copy
-from transformers import InklingForCausalLM, InklingTextConfig  # the test extra pins 5.23.0
+from transformers import GenerationConfig, InklingForCausalLM, InklingTextConfig  # the test extra pins 5.23.0
+from transformers import InklingConfig as HFInklingConfig
 
 from stepops.layouts import InklingStream
 from stepops.models.inkling import InklingConfig, InklingModel, InklingRMSNorm
@@ -295,6 +296,29 @@ def test_an_alias_next_to_its_name_wins_as_in_transformers(checkpoint, tmp_path)
     assert (config.conv_kernel_size, config.sliding_window, config.n_routed_experts, config.logits_mup_width_multiplier) == want
 
 
+@pytest.mark.parametrize("top, text", [(None, 5), (7, 5), (None, None), (7, None)])
+def test_end_of_sequence_ids_are_read_as_transformers_generate_reads_them(top, text):
+    """The ids ``generate`` stops at by default (without a generation_config.json): a text config's
+    ``eos_token_id``; a multimodal config's own, else its text config's (transformers'
+    ``GenerationConfig.from_model_config``)."""
+    text_config = _hf_config({**HF_CONFIG, "eos_token_id": text})
+    multimodal = HFInklingConfig(text_config=text_config.to_dict(), eos_token_id=top)
+    for hf in (text_config, multimodal):
+        want = GenerationConfig.from_model_config(hf).eos_token_id
+        assert config_from_transformers(hf.to_dict()).eos_token_ids == (() if want is None else (want,))
+
+
+def test_end_of_sequence_ids_the_model_cannot_emit_are_warned_about_and_ignored():
+    """transformers warns about an id outside the vocabulary and keeps it (it never fires); an id in the head's
+    padding (120..127 here) is never emitted either."""
+    config = _hf_config().to_dict()
+    with pytest.warns(UserWarning, match=r"the Inkling config: eos_token_id \[120, 500\] outside \[0, 120\)"):
+        assert config_from_transformers({**config, "eos_token_id": [3, 120, 500]}).eos_token_ids == (3,)
+    for bad in ("2", 2.0, True, [1, None]):
+        with pytest.raises(TypeError, match="eos_token_id must be null, a token id or a list of them"):
+            config_from_transformers({**config, "eos_token_id": bad})
+
+
 @pytest.mark.parametrize(
     "kwargs, message",
     [
@@ -316,6 +340,8 @@ def test_an_alias_next_to_its_name_wins_as_in_transformers(checkpoint, tmp_path)
         (dict(d_rel=-1), r"d_rel must be >= 0, got -1"),
         (dict(mlp_layer_types=("dense", "sparse"), intermediate_size=-1), r"^intermediate_size must be >= 0, got -1"),
         (dict(moe_intermediate_size=-1), r"moe_intermediate_size must be >= 0, got -1"),
+        # a stop id in the head's padding is never emitted
+        (dict(unpadded_vocab_size=120, eos_token_ids=(3, 120)), r"eos_token_ids: token ids must be in \[0, 120\)"),
     ],
 )
 def test_bad_inkling_configs_are_value_errors(kwargs, message):
@@ -758,7 +784,7 @@ def hf_tokens(gen_checkpoint, hf_gen16):
     return out
 
 
-def _generate(path, mode=EAGER, backend="aot_eager", draft=None, stop_tokens=()):
+def _generate(path, mode=EAGER, backend="aot_eager", draft=None, stop_tokens=None):
     """Greedy tokens from stepops and the number of steps taken."""
     model = load_inkling(path)
     runner = StepRunner(
@@ -817,3 +843,20 @@ def test_generation_stops_at_a_stop_token_as_transformers_stops_at_eos(gen_check
 
     assert _generate(gen_checkpoint, stop_tokens=stops)[0] == want
     assert _generate(gen_checkpoint, draft=draft, stop_tokens=stops)[0] == want
+
+
+@pytest.mark.parametrize("where", ["config.json", "generation_config.json"])
+def test_generation_stops_at_the_checkpoints_eos_by_default_as_transformers_does(gen_checkpoint, hf_tokens, tmp_path, where):
+    """Without ``stop_tokens``, ``generate`` stops where transformers' ``generate`` stops by default: at
+    config.json's ``eos_token_id``, or at generation_config.json's when that file is there (it wins over
+    config.json's, here an id neither continuation emits). ``stop_tokens=()`` runs to ``max_new_tokens``."""
+    never = min(set(range(HF_CONFIG["unpadded_vocab_size"])) - set(hf_tokens[0] + hf_tokens[1]))
+    in_config = hf_tokens[0][9] if where == "config.json" else never
+    path = single_file_copy(gen_checkpoint, tmp_path, config_edit=lambda config: config.update(eos_token_id=in_config))
+    if where == "generation_config.json":
+        (path / where).write_text(json.dumps({"eos_token_id": [never, hf_tokens[1][20]]}))
+    hf = _hf(path, torch.bfloat16)
+    want = [_hf_generate(hf, prompt) for prompt in PROMPTS]
+    assert min(map(len, want)) < NEW_TOKENS
+    assert _generate(path)[0] == want
+    assert _generate(path, stop_tokens=())[0] == hf_tokens

@@ -9,6 +9,7 @@ tie of the top two logits either way (with 128 random logits, 8 of the 48 steps 
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -38,8 +39,8 @@ def checkpoint() -> dict[str, torch.Tensor]:
     return random_step5_checkpoint(CONFIG, seed=0, causal_lm=True)
 
 
-def _runner(checkpoint, mode=EAGER, backend="aot_eager", max_tokens=16) -> StepRunner:
-    model = Step5ForCausalLM(CONFIG)
+def _runner(checkpoint, mode=EAGER, backend="aot_eager", max_tokens=16, config=CONFIG) -> StepRunner:
+    model = Step5ForCausalLM(config)
     load_step5_state_dict(model, checkpoint)
     return StepRunner(
         model, max_requests=2, max_model_len=64, max_tokens=max_tokens, device="cpu", mode=mode,
@@ -89,6 +90,17 @@ def test_greedy_generation_follows_the_recompute(checkpoint):
     # 31 prompt tokens, 16 per step: two prefill steps (the second also decodes the first prompt's second
     # token), then one step per token
     assert runner.steps == NEW_TOKENS + 1
+
+
+def test_generation_stops_at_the_configs_end_of_sequence_ids_by_default(checkpoint):
+    """As the reference's ``generate_greedy``: without stop ids, a request ends with the first of the config's
+    ``eos_token_id`` it emits (``CONFIG`` has none); ``stop_tokens=()`` runs to ``max_new_tokens``."""
+    full = _runner(checkpoint).generate(PROMPTS, NEW_TOKENS)
+    eos = (full[0][5], full[1][20])
+    runner = _runner(checkpoint, config=dataclasses.replace(CONFIG, eos_token_ids=eos))
+    want = [tokens[: min(tokens.index(t) for t in eos if t in tokens) + 1] for tokens in full]
+    assert runner.generate(PROMPTS, NEW_TOKENS) == want and min(map(len, want)) < NEW_TOKENS
+    assert runner.generate(PROMPTS, NEW_TOKENS, stop_tokens=()) == full
 
 
 def test_compiled_and_speculative_generation_emit_the_eager_tokens(checkpoint):

@@ -281,6 +281,11 @@ def test_the_released_models_numbers():
         ({"rms_norm_eps": float("inf")}, ValueError, r"rms_norm_eps must be finite and >= 0, got inf"),
         ({"csa_rope_theta": float("inf")}, ValueError, "rope thetas must be finite and > 1"),
         ({"moe_router_scaling_factor": float("nan")}, ValueError, "moe_router_scaling_factor must be finite"),
+        # a stop id the model cannot emit never fires
+        ({"eos_token_ids": (1, 128)}, ValueError, r"eos_token_ids: token ids must be in \[0, 128\) \(the ids the model emits\), got 128"),
+        ({"eos_token_ids": (-1,)}, ValueError, "each of eos_token_ids must be >= 0, got -1"),
+        ({"eos_token_ids": [1, 2]}, TypeError, "eos_token_ids must be a tuple of token ids, got list"),
+        ({"eos_token_ids": (True,)}, TypeError, "each of eos_token_ids must be an int, got bool"),
     ],
 )
 def test_bad_configs_are_clear_errors(kwargs, error, match):
@@ -352,26 +357,29 @@ def test_the_released_config_reads_as_step5_reference():
 
 def test_a_config_reads_per_layer_settings_as_the_reference():
     """The main stack's entries of the per-layer lists (the MTP layer's last entry is not read), MoE layers of
-    the main stack, the flags, and a CSA stack's sliding_window left alone; empty limit lists are 7.0."""
+    the main stack, the flags, the end-of-sequence ids, and a CSA stack's sliding_window left alone; empty limit
+    lists are 7.0, no eos_token_id is [1, 2]."""
     types = ["sliding_attention", "full_attention", "full_attention"]
     reference = _reference_config(
         types, swiglu_limits=[0.5, 3.0, 9.0], swiglu_limits_shared=[2.0, 1.5, 9.0], moe_layer_list=[0, 2],
         norm_expert_weight=False, use_head_wise_attn_gate=False, rope_theta=[2e4, 1e6, 1e6],
-        partial_rotary_factors=[1.0, 0.5, 0.25], vocab_size=96,
+        partial_rotary_factors=[1.0, 0.5, 0.25], vocab_size=96, eos_token_id=[7, 95],
     )  # fmt: skip
     want = Step5Config(
         hidden_size=64, vocab_size=96, num_heads=4, num_kv_heads=2, head_dim=48, intermediate_size=128, sliding_window=24,
         index_num_heads=8, index_rope_dim=32, index_top_k=3, num_speculative_tokens=2, rms_norm_eps=1e-6,
         sliding_rope_theta=2e4, csa_rope_theta=1e6, csa_partial_rotary_factor=0.5, csa_rope_scaling=None,
         swiglu_limit=(0.5, 3.0), swiglu_limit_shared=(2.0, 1.5), moe_layers=(0,), moe_renormalize=False,
-        head_wise_attn_gate=False, layer_types=(SLIDING, CSA),
+        head_wise_attn_gate=False, layer_types=(SLIDING, CSA), eos_token_ids=(7, 95),
     )  # fmt: skip
     assert step5_config_from_reference(reference, num_speculative_tokens=2) == want
+    assert step5_config_from_reference({**reference, "eos_token_id": 3}).eos_token_ids == (3,)
     no_lists = _reference_config(["full_attention", "full_attention"], sliding_window=None, use_moe=False)
     del no_lists["vocab_size"]
     config = step5_config_from_reference(no_lists)
     assert (config.swiglu_limit, config.swiglu_limit_shared, config.moe_layers) == (7.0, 7.0, ())
-    assert config.vocab_size == 128896  # Step4Config's default
+    assert config.vocab_size == 128896  # Step4Config's defaults
+    assert config.eos_token_ids == (1, 2)
     assert config.layer_types == (CSA,) and config.sliding_window == Step5Config().sliding_window
 
 
