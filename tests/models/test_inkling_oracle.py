@@ -15,7 +15,7 @@ the router's correction bias, the convs) are randomised too, so a part that igno
   tokens.
 - Greedy generation: two prompts of different lengths in one ragged batch, 32 new tokens, equal to
   ``generate(do_sample=False)``, eager and compiled, with speculative drafts that are partly wrong, and
-  with stop tokens (``eos_token_id``).
+  with stop tokens (``eos_token_id``): given, or the checkpoint's where transformers' ``generate`` reads them.
 """
 
 from __future__ import annotations
