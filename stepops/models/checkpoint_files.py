@@ -32,6 +32,32 @@ def read_safetensors_file(path: Path) -> dict[str, torch.Tensor]:
         raise ValueError(f"{path}: not a readable safetensors file ({error})") from None
 
 
+def transformers_weight_files(directory: Path) -> list[Path] | None:
+    """The safetensors files transformers' ``from_pretrained`` reads from ``directory``: ``model.safetensors``
+    when there is one, else the shards ``model.safetensors.index.json`` lists; ``None`` when neither is there.
+    A directory saved again in the other format keeps the old files: the others are not read."""
+    index = directory / "model.safetensors.index.json"
+    if (directory / "model.safetensors").exists():
+        return [directory / "model.safetensors"]
+    if not index.exists():
+        return None
+    weight_map = read_json_object(index).get("weight_map")
+    if not isinstance(weight_map, dict):
+        raise ValueError(f"{index}: no weight_map object (expected the index save_pretrained writes)")
+    return [directory / name for name in sorted(set(weight_map.values()))]
+
+
+def read_safetensors_files(files: list[Path]) -> dict[str, torch.Tensor]:
+    """Every tensor of ``files``; ``ValueError`` naming a tensor that two of them hold."""
+    tensors: dict[str, torch.Tensor] = {}
+    for file in files:
+        for key, tensor in read_safetensors_file(file).items():
+            if key in tensors:
+                raise ValueError(f"{key} is in more than one file of {file.parent}")
+            tensors[key] = tensor
+    return tensors
+
+
 Config = TypeVar("Config")  # a model config dataclass with output_vocab_size and eos_token_ids
 
 

@@ -32,7 +32,12 @@ from typing import Any
 
 import torch
 
-from stepops.models.checkpoint_files import read_json_object, read_safetensors_file, with_eos_token_ids
+from stepops.models.checkpoint_files import (
+    read_json_object,
+    read_safetensors_files,
+    transformers_weight_files,
+    with_eos_token_ids,
+)
 from stepops.models.inkling import GLOBAL, SLIDING, InklingConfig, InklingModel, fuse_kv
 from stepops.specs import is_int
 
@@ -275,23 +280,12 @@ def _inkling_config(hf: dict[str, Any], block_size: int) -> InklingConfig:
 
 
 def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of the checkpoint directory: ``model.safetensors`` when there is one, else the shards of
-    ``model.safetensors.index.json``, in transformers' order (a directory saved again in the other format
-    keeps the old file: reading the other one loaded other weights than transformers does)."""
-    index = path / "model.safetensors.index.json"
-    if (path / "model.safetensors").exists():
-        files = ["model.safetensors"]
-    elif index.exists():
-        weight_map = read_json_object(index).get("weight_map")
-        if not isinstance(weight_map, dict):
-            raise ValueError(f"{index}: no weight_map object (expected the index save_pretrained writes)")
-        files = sorted(set(weight_map.values()))
-    else:
+    """Every tensor of the checkpoint directory, from the files transformers reads (a directory saved again
+    in the other format keeps the old file: reading that one loaded other weights than transformers does)."""
+    files = transformers_weight_files(path)
+    if files is None:
         raise ValueError(f"{path}: no model.safetensors or model.safetensors.index.json")
-    tensors: dict[str, torch.Tensor] = {}
-    for name in files:
-        tensors.update(read_safetensors_file(path / name))
-    return tensors
+    return read_safetensors_files(files)
 
 
 def _deinterleave(key: str, tensor: torch.Tensor, dim: int) -> torch.Tensor:

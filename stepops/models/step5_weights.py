@@ -25,7 +25,12 @@ from typing import Any
 
 import torch
 
-from stepops.models.checkpoint_files import read_json_object, read_safetensors_file, with_eos_token_ids
+from stepops.models.checkpoint_files import (
+    read_json_object,
+    read_safetensors_files,
+    transformers_weight_files,
+    with_eos_token_ids,
+)
 from stepops.models.dtypes import tensor_dtypes
 from stepops.models.step5 import (
     CSA,
@@ -122,8 +127,9 @@ def _unused(model: Step5Model, name: str, tensor: torch.Tensor, key: str) -> boo
 
 
 def load_step5_safetensors(model: Step5Model, directory: str | Path, *, prefix: str = "") -> None:
-    """:func:`load_step5_state_dict` from every ``*.safetensors`` file of ``directory`` (a name in two files
-    is a ``ValueError``)."""
+    """:func:`load_step5_state_dict` from ``directory``'s safetensors files: ``model.safetensors`` when there
+    is one, else the shards ``model.safetensors.index.json`` lists (the files transformers'
+    ``from_pretrained`` reads), else every ``*.safetensors`` file (a name in two files is a ``ValueError``)."""
     load_step5_state_dict(model, _read_safetensors(Path(directory)), prefix=prefix)
 
 
@@ -132,8 +138,8 @@ def load_step5(
 ) -> Step5ForCausalLM:
     """A :class:`~stepops.models.step5.Step5ForCausalLM` from a checkpoint directory as the reference's
     ``Step4ForCausalLM`` saves one: ``config.json`` (read by :func:`step5_config_from_reference`) and
-    ``*.safetensors`` holding ``model.embed_tokens``, ``model.layers.{i}.*``, ``model.norm`` and
-    ``lm_head.weight``.
+    safetensors files (as :func:`load_step5_safetensors` picks them) holding ``model.embed_tokens``,
+    ``model.layers.{i}.*``, ``model.norm`` and ``lm_head.weight``.
 
     The multi-token-prediction layers (``model.layers.{n}.*`` for ``num_hidden_layers <= n <
     num_hidden_layers + num_nextn_predict_layers``) are skipped with one warning, as the reference skips
@@ -167,18 +173,13 @@ def load_step5(
 
 
 def _read_safetensors(directory: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of every ``*.safetensors`` file of ``directory``; ``ValueError`` for none, for a file
-    that is not safetensors, and for a name in two files."""
-    files = sorted(directory.glob("*.safetensors"))
+    """Every tensor of the files transformers reads from ``directory`` (``model.safetensors``, else the
+    index's shards), or of every ``*.safetensors`` file where it has neither; ``ValueError`` for no file, for
+    a file that is not safetensors, and for a name in two files."""
+    files = transformers_weight_files(directory) or sorted(directory.glob("*.safetensors"))
     if not files:
         raise ValueError(f"no *.safetensors files in {directory}")
-    state_dict: dict[str, torch.Tensor] = {}
-    for file in files:
-        for key, tensor in read_safetensors_file(file).items():
-            if key in state_dict:
-                raise ValueError(f"{key} is in more than one file of {directory}")
-            state_dict[key] = tensor
-    return state_dict
+    return read_safetensors_files(files)
 
 
 # The reference's layer type names; "full_attention" layers run CSA (its sparse_config.apply_to_layer_types).

@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from stepops.layouts import InklingStream
 from stepops.models import Step5Config, Step5Model
@@ -458,6 +458,26 @@ def test_a_reference_checkpoint_directory_loads_as_a_causal_lm(tmp_path):
     for (name, a), (_, b) in zip(model.named_parameters(), want.named_parameters(), strict=True):
         assert a.dtype == b.dtype and torch.equal(a, b), name
     assert torch.equal(model.lm_head.weight, ours["lm_head.weight"])
+
+
+def test_the_files_transformers_reads_are_the_ones_read(tmp_path):
+    """With ``model.safetensors.index.json``, its shards are read and a stray file beside them is not; a
+    ``model.safetensors`` beside the shards wins (``save_pretrained`` in one file over a sharded save keeps
+    the old shards): the files transformers' ``from_pretrained`` reads. Before, every ``*.safetensors`` file
+    was read, and these directories were "in more than one file" errors."""
+    reference = _reference_config(["sliding_attention", "full_attention", "full_attention"])
+    ours = _release_layout(tmp_path, reference)
+    shards = sorted(tmp_path.glob("model-*.safetensors"))
+    weight_map = {key: shard.name for shard in shards for key in load_file(shard)}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    save_file({"model.norm.weight": torch.zeros_like(ours["norm.weight"])}, tmp_path / "stray.safetensors")
+    with pytest.warns(UserWarning, match="multi-token-prediction"):
+        assert torch.equal(load_step5(tmp_path).norm.weight, ours["norm.weight"])
+    single = {key: value for shard in shards for key, value in load_file(shard).items()}
+    single["model.norm.weight"] = torch.full_like(ours["norm.weight"], 3.0)
+    save_file(single, tmp_path / "model.safetensors")
+    with pytest.warns(UserWarning, match="multi-token-prediction"):
+        assert torch.equal(load_step5(tmp_path).norm.weight, single["model.norm.weight"])
 
 
 @pytest.mark.parametrize(
