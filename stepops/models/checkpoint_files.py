@@ -11,6 +11,8 @@ from typing import Any, TypeVar
 import torch
 from safetensors import SafetensorError, safe_open
 
+from stepops.specs import is_int
+
 
 def read_json_object(path: Path) -> dict[str, Any]:
     """The JSON object in ``path``; ``ValueError`` naming the file for invalid JSON or another value."""
@@ -67,10 +69,11 @@ def with_eos_token_ids(config: Config, eos_token_id: object, where: str) -> Conf
     its vocabulary, or in an Inkling head's padding) never ends a sequence: it is left out with a warning, as
     transformers keeps it with one."""
     ids = [] if eos_token_id is None else eos_token_id if isinstance(eos_token_id, list) else [eos_token_id]
-    if not all(type(token) is int for token in ids):
+    if not all(is_int(token) for token in ids):
         raise TypeError(f"{where}: eos_token_id must be null, a token id or a list of them, got {eos_token_id!r}")
     end = config.output_vocab_size
-    never = [token for token in ids if not 0 <= token < end]
-    if never:
+    emitted = tuple(token for token in ids if 0 <= token < end)
+    if len(emitted) < len(ids):
+        never = [token for token in ids if token not in emitted]
         warnings.warn(f"{where}: eos_token_id {never} outside [0, {end}) (the ids the model emits) is ignored", stacklevel=3)
-    return dataclasses.replace(config, eos_token_ids=tuple(token for token in ids if 0 <= token < end))
+    return dataclasses.replace(config, eos_token_ids=emitted)
