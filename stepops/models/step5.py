@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import MutableMapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
@@ -49,7 +49,7 @@ from stepops.models.moe import small_step_max_tokens
 from stepops.models.paged_attention import csa_region_scorer, paged_attention, sparse_region_attention, streaming_topk
 from stepops.ops.paged_kv_write import paged_kv_write
 from stepops.owners import PagedAttentionLayer, Step5CSATailRing
-from stepops.specs import check_int, check_token_ids, is_int
+from stepops.specs import INT64_MIN, check_int, check_token_ids, is_int
 
 SLIDING = "sliding"
 CSA = "csa"
@@ -62,6 +62,14 @@ FP8_AMAX_FLOOR = 1e-10
 # Regions the CSA indexer scores at a time: its transient memory is [T, chunk, 256] summaries, whatever the
 # context (a 16k-token context is 2048 regions: 16 chunks unrolled into the step's graph).
 INDEXER_REGIONS_PER_CHUNK = 128
+
+
+def _check_rope_theta(name: str, theta: float) -> None:
+    """A rope base: a number, finite and > 1 (NaN gave NaN outputs)."""
+    if type(theta) not in (int, float):
+        raise TypeError(f"{name} must be a number, got {type(theta).__name__}")
+    if not 1 < theta < math.inf:
+        raise ValueError(f"{name} must be finite and > 1, got {theta}")
 
 
 @dataclass(frozen=True)
@@ -101,6 +109,11 @@ class Step5Config:
     ``head_wise_attn_gate`` is its ``use_head_wise_attn_gate``: without it, no ``g_proj`` and no gate.
     ``eos_token_ids``: the end-of-sequence ids a runner's ``generate`` stops at by default (the reference's
     ``eos_token_id``; none for a config built here).
+
+    Checks: every int field is an int (``TypeError``), used or not; values (``ValueError``) only where the
+    layer and FFN kinds in use read them, as :class:`~stepops.models.inkling.InklingConfig` does: the
+    indexer's and ``csa_*`` numbers with a CSA layer, the window and ``sliding_rope_theta`` with a sliding
+    one, the experts' with a MoE layer, ``intermediate_size`` with a dense one.
     """
 
     hidden_size: int = 64
@@ -134,15 +147,58 @@ class Step5Config:
     eos_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        for name in ("hidden_size", "vocab_size", "num_heads", "num_kv_heads", "head_dim", "intermediate_size",
-                     "sliding_window", "index_num_heads", "index_proxy_dim", "index_top_k", "moe_num_experts",
-                     "moe_top_k", "moe_intermediate_size", "share_expert_dim"):
-            check_int(name, getattr(self, name), 1)
-        check_int("index_rope_dim", self.index_rope_dim, 2)
-        check_int("num_speculative_tokens", self.num_speculative_tokens, 0)
+        if not self.layer_types:
+            raise ValueError("layer_types must name at least one layer")
+        if any(kind not in (SLIDING, CSA) for kind in self.layer_types):
+            raise ValueError(f"layer_types must be {SLIDING!r} or {CSA!r}, got {self.layer_types}")
+        if not all(is_int(i) for i in self.moe_layers):  # True or 1.0 would be taken as layer 1
+            raise TypeError(f"moe_layers must hold int layer indices, got {self.moe_layers}")
+        if len(set(self.moe_layers)) != len(self.moe_layers) or any(
+            not 0 <= i < len(self.layer_types) for i in self.moe_layers
+        ):
+            raise ValueError(f"moe_layers must be distinct layer indices < {len(self.layer_types)}, got {self.moe_layers}")
+        # Minimums only for the numbers a layer or FFN kind in use reads (the class docstring's checks).
+        kinds, has_moe = set(self.layer_types), bool(self.moe_layers)
+        minimums = dict(hidden_size=1, vocab_size=1, num_heads=1, num_kv_heads=1, head_dim=1, num_speculative_tokens=0)
+        if SLIDING in kinds:
+            minimums.update(sliding_window=1)
+        if CSA in kinds:
+            minimums.update(index_num_heads=1, index_proxy_dim=1, index_top_k=1, index_rope_dim=2)
+        if len(self.moe_layers) < len(self.layer_types):
+            minimums.update(intermediate_size=1)
+        if has_moe:
+            minimums.update(moe_num_experts=1, moe_top_k=1, moe_intermediate_size=1, share_expert_dim=1)
+        for name in (f.name for f in fields(self) if f.type == "int"):
+            check_int(name, getattr(self, name), minimums.get(name, INT64_MIN))  # INT64_MIN: an int, any value
         check_token_ids("eos_token_ids", self.eos_token_ids, self.output_vocab_size)
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+        if self.csa_rope_scaling is not None and not isinstance(self.csa_rope_scaling, Llama3RopeScaling):
+            raise TypeError(
+                f"csa_rope_scaling must be a Llama3RopeScaling or None, got {type(self.csa_rope_scaling).__name__}"
+            )
+        if CSA in kinds:
+            self._check_csa_numbers()
+        if SLIDING in kinds:
+            if self.head_dim % 2:
+                raise ValueError(
+                    f"head_dim ({self.head_dim}) must be even: sliding layers rotate the whole head in NEOX halves"
+                )
+            _check_rope_theta("sliding_rope_theta", self.sliding_rope_theta)
+        if has_moe and self.moe_top_k > self.moe_num_experts:
+            raise ValueError(f"moe_top_k ({self.moe_top_k}) exceeds moe_num_experts ({self.moe_num_experts})")
+        if has_moe and not math.isfinite(self.moe_router_scaling_factor):
+            raise ValueError(f"moe_router_scaling_factor must be finite, got {self.moe_router_scaling_factor}")
+        if not 0 <= self.rms_norm_eps < math.inf:
+            raise ValueError(f"rms_norm_eps must be finite and >= 0, got {self.rms_norm_eps}")
+        for name in ("moe_renormalize", "head_wise_attn_gate"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        for name in ("swiglu_limit", "swiglu_limit_shared"):
+            self._check_swiglu_limit(name, getattr(self, name))
+
+    def _check_csa_numbers(self) -> None:
+        """The indexer's and the CSA layers' rope numbers (checked only when a CSA layer reads them)."""
         if self.index_num_heads % self.num_kv_heads:
             raise ValueError(
                 f"index_num_heads ({self.index_num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads}): "
@@ -157,40 +213,7 @@ class Step5Config:
                 f"csa_partial_rotary_factor ({self.csa_partial_rotary_factor}) must be in (0, 1] and rotate at "
                 f"least 2 of head_dim {self.head_dim} dims"
             )
-        if not (1 < self.sliding_rope_theta < math.inf and 1 < self.csa_rope_theta < math.inf):  # NaN: NaN outputs
-            raise ValueError(
-                f"rope thetas must be finite and > 1, got sliding_rope_theta={self.sliding_rope_theta}, "
-                f"csa_rope_theta={self.csa_rope_theta}"
-            )
-        if self.csa_rope_scaling is not None and not isinstance(self.csa_rope_scaling, Llama3RopeScaling):
-            raise TypeError(
-                f"csa_rope_scaling must be a Llama3RopeScaling or None, got {type(self.csa_rope_scaling).__name__}"
-            )
-        if not math.isfinite(self.moe_router_scaling_factor):
-            raise ValueError(f"moe_router_scaling_factor must be finite, got {self.moe_router_scaling_factor}")
-        if not 0 <= self.rms_norm_eps < math.inf:
-            raise ValueError(f"rms_norm_eps must be finite and >= 0, got {self.rms_norm_eps}")
-        if not self.layer_types:
-            raise ValueError("layer_types must name at least one layer")
-        if any(kind not in (SLIDING, CSA) for kind in self.layer_types):
-            raise ValueError(f"layer_types must be {SLIDING!r} or {CSA!r}, got {self.layer_types}")
-        if SLIDING in self.layer_types and self.head_dim % 2:
-            raise ValueError(
-                f"head_dim ({self.head_dim}) must be even: sliding layers rotate the whole head in NEOX halves"
-            )
-        if not all(is_int(i) for i in self.moe_layers):  # True or 1.0 would be taken as layer 1
-            raise TypeError(f"moe_layers must hold int layer indices, got {self.moe_layers}")
-        if len(set(self.moe_layers)) != len(self.moe_layers) or any(
-            not 0 <= i < len(self.layer_types) for i in self.moe_layers
-        ):
-            raise ValueError(f"moe_layers must be distinct layer indices < {len(self.layer_types)}, got {self.moe_layers}")
-        if self.moe_top_k > self.moe_num_experts:
-            raise ValueError(f"moe_top_k ({self.moe_top_k}) exceeds moe_num_experts ({self.moe_num_experts})")
-        for name in ("moe_renormalize", "head_wise_attn_gate"):
-            if not isinstance(getattr(self, name), bool):
-                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
-        for name in ("swiglu_limit", "swiglu_limit_shared"):
-            self._check_swiglu_limit(name, getattr(self, name))
+        _check_rope_theta("csa_rope_theta", self.csa_rope_theta)
 
     def _check_swiglu_limit(self, name: str, limit: object) -> None:
         """A number > 0 (``math.inf``: no clamp), or a tuple of one such number per layer."""

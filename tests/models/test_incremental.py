@@ -105,6 +105,12 @@ _STEP5_CONFIGS = [
     ),
     # The reference's use_head_wise_attn_gate = false: no g_proj in the checkpoint, no gate.
     pytest.param(Step5Config(head_wise_attn_gate=False), id="step5_no_attn_gate"),
+    # No CSA layer: numbers only the indexer and the CSA rope read do not fit (3 KV heads do not divide the 16
+    # indexer heads; a third of head_dim 4 rotates 1 dim) and are not checked.
+    pytest.param(
+        Step5Config(layer_types=("sliding", "sliding"), moe_layers=(1,), num_heads=6, num_kv_heads=3, head_dim=4),
+        id="step5_sliding_only",
+    ),
 ]
 
 

@@ -272,14 +272,15 @@ def test_the_released_models_numbers():
         # a sliding layer ropes the whole head in NEOX halves: an odd head failed mid-step (shape mismatch)
         ({"head_dim": 9}, ValueError, r"head_dim \(9\) must be even"),
         ({"rms_norm_eps": -1e-6}, ValueError, r"rms_norm_eps must be finite and >= 0"),  # was accepted: NaN outputs
-        ({"csa_rope_theta": float("nan")}, ValueError, "rope thetas must be finite and > 1"),  # was accepted: NaN outputs
-        ({"sliding_rope_theta": float("nan")}, ValueError, "rope thetas must be finite and > 1"),
+        ({"csa_rope_theta": float("nan")}, ValueError, "csa_rope_theta must be finite and > 1, got nan"),  # was accepted: NaN outputs
+        ({"sliding_rope_theta": float("nan")}, ValueError, "sliding_rope_theta must be finite and > 1, got nan"),
+        ({"sliding_rope_theta": "1e4"}, TypeError, "sliding_rope_theta must be a number, got str"),
         # were accepted: an empty stack failed only at cache allocation, a tuple of scaling numbers when the
         # model was built (AttributeError), infinities ran
         ({"layer_types": (), "moe_layers": ()}, ValueError, "layer_types must name at least one layer"),
         ({"csa_rope_scaling": (4.0, 1.0, 4.0, 64)}, TypeError, "csa_rope_scaling must be a Llama3RopeScaling or None, got tuple"),
         ({"rms_norm_eps": float("inf")}, ValueError, r"rms_norm_eps must be finite and >= 0, got inf"),
-        ({"csa_rope_theta": float("inf")}, ValueError, "rope thetas must be finite and > 1"),
+        ({"csa_rope_theta": float("inf")}, ValueError, "csa_rope_theta must be finite and > 1, got inf"),
         ({"moe_router_scaling_factor": float("nan")}, ValueError, "moe_router_scaling_factor must be finite"),
         # a stop id the model cannot emit never fires
         ({"eos_token_ids": (1, 128)}, ValueError, r"eos_token_ids: token ids must be in \[0, 128\) \(the ids the model emits\), got 128"),
@@ -290,6 +291,41 @@ def test_the_released_models_numbers():
 )
 def test_bad_configs_are_clear_errors(kwargs, error, match):
     with pytest.raises(error, match=match):
+        Step5Config(**kwargs)
+
+
+_NO_CSA = {"layer_types": (SLIDING,), "moe_layers": ()}
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        # no CSA layer, no indexer or partial rope: a third of head_dim 4 rotates 1 dim, 3 KV heads do not
+        # divide 16 indexer heads (both were refused)
+        {**_NO_CSA, "head_dim": 4},
+        {**_NO_CSA, "num_heads": 3, "num_kv_heads": 3},
+        {**_NO_CSA, "index_proxy_dim": 128, "index_rope_dim": 0, "index_top_k": 0, "csa_rope_theta": float("nan")},
+        # no sliding layer: no window, no sliding rope (an odd head_dim was already allowed)
+        {"layer_types": (CSA,), "moe_layers": (), "sliding_window": 0, "sliding_rope_theta": 0.5, "head_dim": 9},
+        # no MoE layer: no experts; only MoE layers: no dense MLP
+        {"moe_layers": (), "moe_num_experts": 0, "moe_top_k": 3, "share_expert_dim": 0, "moe_router_scaling_factor": float("nan")},
+        {"moe_layers": (0, 1), "intermediate_size": 0},
+    ],
+)
+def test_numbers_only_absent_layer_kinds_read_are_not_checked(kwargs):
+    Step5Model(Step5Config(**kwargs))
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({**_NO_CSA, "index_proxy_dim": 256.0}, "index_proxy_dim must be an int, got float"),
+        ({"moe_layers": (), "moe_top_k": True}, "moe_top_k must be an int, got bool"),
+        ({"moe_layers": (0, 1), "intermediate_size": None}, "intermediate_size must be an int, got NoneType"),
+    ],
+)
+def test_unused_int_fields_are_still_ints(kwargs, match):
+    with pytest.raises(TypeError, match=match):
         Step5Config(**kwargs)
 
 
