@@ -41,7 +41,7 @@ def _parser() -> argparse.ArgumentParser:
                                      epilog="static takes only --json; every other option is run's.")
     parser.add_argument("command", nargs="?", choices=("run", "static"), default="run",
                         help="run: time ops and layers (default); static: the GPU-build table and decode estimates")
-    parser.add_argument("--quick", action="store_true", help="small sizes: under two minutes on a 2-core CPU")
+    parser.add_argument("--quick", action="store_true", help="small sizes: about 2 to 4 minutes on a 2-core CPU, depending on its load")
     parser.add_argument("--tiny", action="store_true", help="one smallest case per op and no extras; layers and attention only with --layers, --attention "
                              "(smoke test)")
     parser.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write the JSON report to PATH")
