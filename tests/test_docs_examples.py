@@ -1,8 +1,12 @@
 """The docs' self-contained python examples run as a user would paste them (the sconv and csa_ring_update
-examples of docs/ops.md run in their op tests). Fragments that continue an earlier example are not here."""
+examples of docs/ops.md run in their op tests); a fragment that continues an earlier example runs after it."""
 
 import re
 from pathlib import Path
+
+import torch
+
+from stepops.testing.tolerances import TOLERANCES
 
 _DOCS = Path(__file__).resolve().parents[1] / "docs"
 
@@ -32,3 +36,14 @@ def test_first_models_example_runs_a_step():
     scope: dict = {}
     exec(compile(code, "docs/models.md", "exec"), scope)
     assert tuple(scope["out"].shape) == (10, 64)
+
+
+def test_compiling_example_reruns_the_first_examples_step():
+    first, compiling = _python_blocks("models.md")[0], _python_blocks("models.md", "## Compiling")[0]
+    scope: dict = {}
+    exec(compile(first, "docs/models.md", "exec"), scope)
+    eager = scope["out"]
+    exec(compile(compiling, "docs/models.md", "exec"), scope)
+    assert tuple(scope["out"].shape) == (16, 64)
+    tol = TOLERANCES["model_vs_recompute"]  # the same step compiled by Inductor: other sum orders
+    torch.testing.assert_close(scope["out"][:10], eager, atol=tol.atol, rtol=tol.rtol)
