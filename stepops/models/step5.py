@@ -113,7 +113,7 @@ class Step5Config:
     Checks: every int field is an int (``TypeError``), used or not; values (``ValueError``) only where the
     layer and FFN kinds in use read them, as :class:`~stepops.models.inkling.InklingConfig` does: the
     indexer's and ``csa_*`` numbers with a CSA layer, the window and ``sliding_rope_theta`` with a sliding
-    one, the experts' with a MoE layer, ``intermediate_size`` with a dense one.
+    one, the experts' with a MoE layer, ``intermediate_size`` with a dense one; the SwiGLU limits always.
     """
 
     hidden_size: int = 64
