@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -76,8 +77,14 @@ def check_token_ids(name: str, ids: object, end: int) -> None:
         raise TypeError(f"{name} must be a tuple of token ids, got {type(ids).__name__}")
     for token in ids:
         check_int(f"each of {name}", token, 0)
-        if token >= end:
-            raise ValueError(f"{name}: token ids must be in [0, {end}) (the ids the model emits), got {token}")
+    check_ids_in_range(name, ids, end, "the ids the model emits")
+
+
+def check_ids_in_range(what: str, ids: Sequence[int], end: int, which: str) -> None:
+    """``ValueError`` naming the first of ``ids`` outside ``[0, end)`` (``which`` says what the range is)."""
+    outside = [int(t) for t in ids if not 0 <= t < end]
+    if outside:
+        raise ValueError(f"{what}: token ids must be in [0, {end}) ({which}), got {outside[0]}")
 
 
 @dataclass(frozen=True, kw_only=True)

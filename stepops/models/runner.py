@@ -33,7 +33,7 @@ from stepops.models.dtypes import check_built_dtypes
 from stepops.models.inkling import InklingModel
 from stepops.models.metadata import StepBuffers
 from stepops.models.step5 import Step5Model
-from stepops.specs import check_int, is_int, is_integer_dtype
+from stepops.specs import check_ids_in_range, check_int, is_int, is_integer_dtype
 
 EAGER, COMPILED, CUDA_GRAPH = "eager", "compiled", "cudagraph"
 HIDDEN, TOKENS = "hidden", "tokens"
@@ -71,13 +71,6 @@ def capture_sizes_for(max_tokens: int) -> tuple[int, ...]:
 def _is_token_id(value: object) -> bool:
     """An integer (Python, NumPy) and not a bool."""
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
-
-def _check_in_range(what: str, ids: Sequence[int], end: int, which: str) -> None:
-    """``ValueError`` naming the first of ``ids`` outside ``[0, end)`` (``which`` says what the range is)."""
-    outside = [int(t) for t in ids if not 0 <= t < end]
-    if outside:
-        raise ValueError(f"{what}: token ids must be in [0, {end}) ({which}), got {outside[0]}")
 
 
 def _check_token_list(what: str, ids: Sequence[int]) -> None:
@@ -480,7 +473,7 @@ class StepRunner:
             raise ValueError("every prompt needs at least one token")
         for i, prompt in enumerate(prompts):  # all before the first step writes a cache
             _check_token_list(f"prompt {i}", prompt)
-            _check_in_range(f"prompt {i}", prompt, self.model.config.vocab_size, "the vocabulary")
+            check_ids_in_range(f"prompt {i}", prompt, self.model.config.vocab_size, "the vocabulary")
         stop = self._stop_token_set(stop_tokens)
         budget = self.max_tokens
         seqs = [list(p) for p in prompts]
@@ -541,7 +534,7 @@ class StepRunner:
         not_ids = [t for t in ids if not _is_token_id(t)]
         if not_ids:
             raise TypeError(f"stop_tokens: token ids must be integers, got {type(not_ids[0]).__name__}")
-        _check_in_range("stop_tokens", ids, config.output_vocab_size, "the ids the model can emit")
+        check_ids_in_range("stop_tokens", ids, config.output_vocab_size, "the ids the model can emit")
         return frozenset(int(t) for t in ids)
 
     def warm_up(self, progress: Callable[[str], None] | None = None) -> None:
