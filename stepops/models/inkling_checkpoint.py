@@ -174,19 +174,25 @@ def _text_config(hf: dict[str, Any]) -> dict[str, Any]:
     return hf
 
 
-def config_from_transformers(hf: dict[str, Any], *, block_size: int = 16) -> InklingConfig:
+def config_from_transformers(
+    hf: dict[str, Any], *, block_size: int = 16, generation_config: dict[str, Any] | None = None
+) -> InklingConfig:
     """An :class:`InklingConfig` from a transformers Inkling ``config.json`` dict (an ``InklingTextConfig``,
     or an ``InklingConfig`` whose ``text_config`` is read; its vision and audio configs are out of scope).
     transformers' aliases (``sconv_kernel_size``, ...) and ``dense_intermediate_size`` are read as it reads them.
 
     ``ValueError`` for another model type, an activation other than SiLU, a false ``is_causal``, an unknown
     layer type or a missing field. ``block_size`` is the attention KV cache's declared block size (not a transformers setting).
-    ``eos_token_id`` is read as transformers' ``GenerationConfig.from_model_config`` reads it: the config's
-    own, else its ``text_config``'s.
+    ``eos_token_ids`` are where transformers' ``generate`` reads its stop ids: ``generation_config``'s
+    ``eos_token_id`` (a ``generation_config.json`` dict) when one is given, else as
+    ``GenerationConfig.from_model_config`` reads them, the config's own, else its ``text_config``'s.
     """
-    eos_token_id = hf.get("eos_token_id")
+    if generation_config is not None:
+        eos_token_id, eos_source = generation_config.get("eos_token_id"), "generation_config.json"
+    else:
+        eos_token_id, eos_source = hf.get("eos_token_id"), "the Inkling config"
     hf = dict(_text_config(hf))
-    if eos_token_id is None:
+    if eos_token_id is None and generation_config is None:
         eos_token_id = hf.get("eos_token_id")
     for alias, name in _CONFIG_ALIASES.items():
         if alias in hf:
@@ -210,7 +216,7 @@ def config_from_transformers(hf: dict[str, Any], *, block_size: int = 16) -> Ink
             f"the Inkling config has no {missing.args[0]!r} (a config.json written by transformers' "
             "save_pretrained has every field)"
         ) from None
-    return with_eos_token_ids(config, eos_token_id, "the Inkling config")
+    return with_eos_token_ids(config, eos_token_id, eos_source)
 
 
 def _layer_types(hf: dict[str, Any]) -> tuple[list[str], list[str]]:
@@ -377,10 +383,9 @@ def load_inkling(
         )
     if not multimodal and "InklingTextModel" in architectures:
         raise ValueError(f"{path}: an InklingTextModel checkpoint has no lm_head (no logits); save an InklingForCausalLM")
-    config = config_from_transformers(hf, block_size=block_size)
     generation_file = path / "generation_config.json"
-    if generation_file.exists():  # transformers' generate reads its stop ids there when it exists
-        config = with_eos_token_ids(config, read_json_object(generation_file).get("eos_token_id"), str(generation_file))
+    generation_config = read_json_object(generation_file) if generation_file.exists() else None
+    config = config_from_transformers(hf, block_size=block_size, generation_config=generation_config)
     # Built on the meta device, so nothing is allocated or randomly initialised until the checkpoint has been
     # read and checked; then allocated once on ``device`` (same strides: the conv weights stay tap-major) and
     # filled by load_state_dict: the load holds the model once, and spends no time on a random init.

@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import random
 import shutil
+import warnings
 
 import pytest
 import torch
@@ -317,6 +318,18 @@ def test_end_of_sequence_ids_the_model_cannot_emit_are_warned_about_and_ignored(
     for bad in ("2", 2.0, True, [1, None]):
         with pytest.raises(TypeError, match="eos_token_id must be null, a token id or a list of them"):
             config_from_transformers({**config, "eos_token_id": bad})
+
+
+def test_a_generation_configs_end_of_sequence_ids_replace_the_configs_unread():
+    """With a generation_config.json, its ``eos_token_id`` is the one ``generate`` reads (none if it has
+    none); config.json's is not read at all, so an id there that the model cannot emit draws no warning."""
+    config = {**_hf_config().to_dict(), "eos_token_id": [3, 500]}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert config_from_transformers(config, generation_config={"eos_token_id": 4}).eos_token_ids == (4,)
+        assert config_from_transformers(config, generation_config={}).eos_token_ids == ()
+    with pytest.warns(UserWarning, match=r"generation_config.json: eos_token_id \[120\] outside \[0, 120\)"):
+        assert config_from_transformers(config, generation_config={"eos_token_id": [120, 5]}).eos_token_ids == (5,)
 
 
 @pytest.mark.parametrize(
