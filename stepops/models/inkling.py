@@ -171,8 +171,8 @@ class InklingConfig:
             minimums.update(num_heads=1, num_kv_heads=1, head_dim=1, rel_extent=1)
         if DENSE in self.mlp_layer_types:
             minimums.update(intermediate_size=0)
-        if SPARSE in self.mlp_layer_types:  # its expert counts are checked below
-            minimums.update(moe_intermediate_size=0)
+        if SPARSE in self.mlp_layer_types:  # top-k and shared experts are checked below
+            minimums.update(moe_intermediate_size=0, n_routed_experts=1)
         for name, minimum in minimums.items():
             check_int(name, getattr(self, name), minimum)
         if not self.rms_norm_eps >= 0:
@@ -183,9 +183,10 @@ class InklingConfig:
             heads, kv_heads, _ = self.attention_geometry(kind)
             if kind in kinds and heads % kv_heads:
                 raise ValueError(f"{kind} layers: query heads ({heads}) must be a multiple of KV heads ({kv_heads})")
-        if SPARSE in self.mlp_layer_types and not 0 < self.num_experts_per_tok <= self.n_routed_experts:
+        # k = 0 is transformers' too: every token gets only the shared experts.
+        if SPARSE in self.mlp_layer_types and not 0 <= self.num_experts_per_tok <= self.n_routed_experts:
             raise ValueError(
-                f"num_experts_per_tok ({self.num_experts_per_tok}) must be in 1..n_routed_experts ({self.n_routed_experts})"
+                f"num_experts_per_tok ({self.num_experts_per_tok}) must be in 0..n_routed_experts ({self.n_routed_experts})"
             )
         if SPARSE in self.mlp_layer_types and self.n_shared_experts < 1:
             raise ValueError("sparse MLP layers need n_shared_experts >= 1 (the router's softmax includes them)")

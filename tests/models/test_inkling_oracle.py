@@ -339,7 +339,10 @@ def test_a_generation_configs_end_of_sequence_ids_replace_the_configs_unread():
         (dict(layer_types=("sliding", "local")), r"layer_types must be 'sliding' or 'global'"),
         # was accepted: the runner failed in the allocator ("no layer with get_kv_cache_spec()")
         (dict(layer_types=()), r"layer_types must name at least one layer \(num_hidden_layers >= 1\)"),
-        (dict(num_experts_per_tok=5), r"num_experts_per_tok \(5\) must be in 1..n_routed_experts \(4\)"),
+        (dict(num_experts_per_tok=5), r"num_experts_per_tok \(5\) must be in 0..n_routed_experts \(4\)"),
+        (dict(num_experts_per_tok=-1), r"num_experts_per_tok \(-1\) must be in 0..n_routed_experts \(4\)"),
+        # transformers cannot run that either (its router's histogram needs a bin)
+        (dict(n_routed_experts=0, num_experts_per_tok=0), r"n_routed_experts must be >= 1, got 0"),
         (dict(n_shared_experts=0), r"sparse MLP layers need n_shared_experts >= 1"),
         (dict(unpadded_vocab_size=0), r"unpadded_vocab_size must be None or >= 1, got 0"),
         (dict(num_heads=3), r"global layers: query heads \(3\) must be a multiple of KV heads \(2\)"),
@@ -652,7 +655,7 @@ def _rows_without_routing_near_ties(hf32, ids: torch.Tensor) -> list[torch.Tenso
     keep = []
     for j in range(len(hf32.model.layers)):
         here = torch.zeros(length, dtype=torch.bool)
-        if j in scores and top_k < scores[j].shape[-1]:  # (top_k = n_routed_experts: no choice to flip)
+        if j in scores and 0 < top_k < scores[j].shape[-1]:  # (k = 0 or k = n_routed_experts: no choice to flip)
             ranked = scores[j].sort(-1, descending=True).values
             near = ranked[:, top_k - 1] - ranked[:, top_k] < ROUTING_NEAR_TIE
             for t in near.nonzero().flatten().tolist():
@@ -668,8 +671,8 @@ def _rows_without_routing_near_ties(hf32, ids: torch.Tensor) -> list[torch.Tenso
 
 # Configs transformers accepts that differ from HF_CONFIG where stepops once refused them: only the layer kinds
 # in use are validated (transformers builds no others), and an unpadded_vocab_size above vocab_size keeps
-# every logit (transformers slices only below). Each also varies the geometry: MQA and GQA 4, k = E and
-# k = 1 routing, W = 3 and W = 2, no log scaling, a window of 3, no muP divisor.
+# every logit (transformers slices only below). Each also varies the geometry: MQA and GQA 4, k = E, k = 1 and
+# k = 0 routing, W = 3 and W = 2, no log scaling, a window of 3, no muP divisor.
 CONFIG_VARIANTS = {
     "all_global_unused_swa_geometry": dict(
         layer_types=["hybrid", "hybrid"], mlp_layer_types=["sparse", "dense"], num_hidden_layers=2,
@@ -685,6 +688,8 @@ CONFIG_VARIANTS = {
     ),
     # hidden 64 over 3 sliding KV heads: chunks of 22, the last one padded by 2 zero channels.
     "hidden_not_divisible_by_kv_heads": dict(swa_num_attention_heads=6, swa_num_key_value_heads=3),
+    # top-0 routing: every token gets only the shared experts (stepops refused it; transformers runs it).
+    "shared_experts_only": dict(num_experts_per_tok=0),
 }
 
 

@@ -16,6 +16,8 @@ and tests/models/test_incremental.py (a 16-expert Step5 vs the independent recom
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 import torch._dynamo.testing
@@ -177,3 +179,26 @@ def test_sparse_layers_exist_in_the_runner_models():
     """(The runner tests above would pass vacuously on a model without an MoE block.)"""
     assert SPARSE in InklingConfig(n_routed_experts=16).mlp_layer_types
     assert Step5Config(moe_num_experts=16).moe_layers
+
+
+def test_inkling_top_0_routes_no_token_to_an_expert_eager_and_compiled():
+    """``num_experts_per_tok = 0`` (transformers runs it: shared experts only; against transformers in
+    test_inkling_oracle's ``shared_experts_only`` variant): every step size takes the chosen-experts path,
+    with no expert, so the runner compiles one graph for all sizes; Inductor's is bitwise equal to eager."""
+    config = InklingConfig(num_experts_per_tok=0)
+    torch.manual_seed(0)
+    moe = _inkling_moe(config.n_routed_experts, 0, torch.bfloat16)
+    assert moe.small_step_max_tokens == sys.maxsize
+    small, full = _both_paths(moe, torch.randn(5, HIDDEN).to(torch.bfloat16))
+    assert torch.equal(small, full) and not small.any()
+    outputs = {}
+    for mode in (EAGER, COMPILED):
+        torch.manual_seed(0)
+        runner = StepRunner(InklingModel(config), max_requests=2, max_model_len=24, max_tokens=16, device="cpu", mode=mode)
+        x = torch.randn(12, config.hidden_size, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+        counters.clear()
+        outputs[mode] = runner.step([ScheduledRequest(0, 0, x[:9]), ScheduledRequest(1, 0, x[9:11])])
+        outputs[mode] += runner.step([ScheduledRequest(0, 9, x[11:12])])
+        assert runner.token_ranges == ((2, 16),) and not counters["graph_break"]
+    for got, want in zip(outputs[COMPILED], outputs[EAGER], strict=True):
+        assert torch.equal(got, want)
