@@ -106,7 +106,8 @@ MOE_EXPERTS, MOE_TOP_K = 64, 8
 def run_moe_blocks(settings: Settings, log: Callable[[str], None]) -> list[dict[str, Any]]:
     """Chosen-experts vs all-experts routed work of one MoE block per model (see the module docstring)."""
     from stepops.models.inkling import InklingConfig, InklingMoE
-    from stepops.models.step5 import Step5Config, Step5MoE
+    from stepops.models.step5 import Step5MoE
+    from stepops.models.step5_config import Step5Config
 
     device = settings.device
     hidden, inner = (1024, 704) if device.type == "cuda" else (512, 256)

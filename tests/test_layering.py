@@ -72,6 +72,18 @@ def test_no_private_name_is_imported_from_another_module(path):
     assert not private, f"{path.relative_to(ROOT)} imports {private}"
 
 
+def test_the_step5_recompute_imports_only_the_config_of_the_model():
+    """The independent Step5 recompute (the Step5 oracle) reads the config's numbers and shares no code that
+    computes a layer, directly or through the test support it imports."""
+    seen, todo = set(), ["stepops.testing.step5_reference"]
+    while todo:
+        name = todo.pop()
+        seen.add(name)
+        todo += [m for m in _imports(name, module_level=False) if _is_test_support(m) and m not in seen]
+    models = {m for name in seen for m in _imports(name, module_level=False) if m.startswith("stepops.models")}
+    assert models == {"stepops.models.step5_config"}, models
+
+
 def test_module_level_imports_form_no_circle():
     graph = {name: _imports(name, module_level=True) for name in MODULES}
     state: dict[str, int] = {}  # 1: on the current path, 2: done

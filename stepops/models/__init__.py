@@ -1,7 +1,8 @@
 """Whole Step5 and Inkling decoder layers on the stepops cache ops and a step runner.
 
-- :mod:`stepops.models.step5`: :class:`Step5Config`, :class:`Step5DecoderLayer` (sliding-window and CSA
-  layers), :class:`Step5Model` (the stack) and :class:`Step5ForCausalLM` (with embedding and head).
+- :mod:`stepops.models.step5`: :class:`Step5DecoderLayer` (sliding-window and CSA layers), :class:`Step5Model`
+  (the stack) and :class:`Step5ForCausalLM` (with embedding and head).
+- :mod:`stepops.models.step5_config`: :class:`Step5Config` and the released model's numbers.
 - :mod:`stepops.models.inkling`: :class:`InklingConfig`, :class:`InklingDecoderLayer`, :class:`InklingModel`
   (transformers 5.23.0's Inkling text decoder) and its tensor-parallel slicer ``shard_inkling_state_dict``.
 - :mod:`stepops.models.inkling_checkpoint`: ``load_inkling`` (a transformers checkpoint directory).
@@ -21,7 +22,8 @@ The no-cache recomputes and the dense attention oracle are test support, in :mod
 
 from stepops.models.inkling import InklingConfig, InklingDecoderLayer, InklingModel
 from stepops.models.metadata import InklingStepMetadata, Step5StepMetadata, StepBuffers
-from stepops.models.step5 import Step5Config, Step5DecoderLayer, Step5ForCausalLM, Step5Model
+from stepops.models.step5 import Step5DecoderLayer, Step5ForCausalLM, Step5Model
+from stepops.models.step5_config import Step5Config
 
 __all__ = [
     "InklingConfig",

@@ -1,7 +1,7 @@
 """Load a Step5 checkpoint in StepFun's reference names into :class:`~stepops.models.step5.Step5Model`.
 
 :func:`step5_config_from_reference` reads the checkpoint's ``config.json`` (the reference's ``Step4Config``
-keys) into a :class:`~stepops.models.step5.Step5Config`; a setting the model cannot compute is a
+keys) into a :class:`~stepops.models.step5_config.Step5Config`; a setting the model cannot compute is a
 ``ValueError`` naming it. :func:`load_step5` does both for a checkpoint directory.
 
 The model's parameters carry the checkpoint's names (``layers.{i}.input_layernorm.weight``,
@@ -32,16 +32,8 @@ from stepops.models.checkpoint_files import (
     with_eos_token_ids,
 )
 from stepops.models.dtypes import tensor_dtypes
-from stepops.models.step5 import (
-    CSA,
-    SLIDING,
-    Llama3RopeScaling,
-    StackedExpertWeight,
-    Step5Config,
-    Step5ForCausalLM,
-    Step5Model,
-    check_fp8_blocks,
-)
+from stepops.models.step5 import StackedExpertWeight, Step5ForCausalLM, Step5Model, check_fp8_blocks
+from stepops.models.step5_config import CSA, SLIDING, Llama3RopeScaling, Step5Config
 from stepops.specs import check_int
 
 SCALE_SUFFIX = ".weight_scale_inv"
@@ -206,7 +198,7 @@ _DEFAULT_SWIGLU_LIMIT = 7.0  # Step4MoE / Step4DecoderLayer when swiglu_limits i
 
 
 def step5_config_from_reference(config: Mapping[str, Any], *, num_speculative_tokens: int = 3) -> Step5Config:
-    """A :class:`~stepops.models.step5.Step5Config` from a Step5 checkpoint's ``config.json`` object, read as
+    """A :class:`~stepops.models.step5_config.Step5Config` from a Step5 checkpoint's ``config.json`` object, read as
     the reference's ``Step4Config`` reads it (the table in ``docs/models.md``). The main stack's
     ``num_hidden_layers`` layers are built; the trailing multi-token-prediction entries of the per-layer lists
     are not read. ``num_speculative_tokens`` is the serving setting the ring is sized for (not in the config).

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from stepops.models.step5 import CSA, Step5Config
+from stepops.models.step5_config import CSA, Step5Config
 
 _FP8_BLOCK = 128
 

@@ -2,12 +2,14 @@
 
 It reads a checkpoint in the reference's names (``layers.{i}.self_attn.q_proj.weight``, ...; fp8 experts
 with ``weight_scale_inv`` run the reference's fp8 GEMM, inputs quantised to e4m3 included) and one
-request's committed inputs ``x [L, hidden]``, and recomputes the whole sequence with no cache. It shares
-no module or function with :mod:`stepops.models.step5` (only the config's numbers): its own norms, rope
-and llama3 scaling, indexer, region summaries (a plain softmax over each complete region, not the op's
-online fold), selection (a Python sort on ``(-score, region)`` per KV group), attention (a dense per-group
-mask, one softmax pass with its weights rounded to bf16 into ``P V`` as the reference's kernel multiplies
-them: :func:`~stepops.testing.dense_attention.masked_attention`, the paged attention's test oracle), MLP and MoE (a per-expert loop over the routed tokens, as the reference's CPU path).
+request's committed inputs ``x [L, hidden]``, and recomputes the whole sequence with no cache. Of the model
+it imports only the config's numbers (:mod:`stepops.models.step5_config`), no module or function that
+computes a layer: its own norms, rope and llama3 scaling, indexer, region summaries (a plain softmax over
+each complete region, not the op's online fold), selection (a Python sort on ``(-score, region)`` per KV
+group), attention (a dense per-group mask, one softmax pass with its weights rounded to bf16 into ``P V``
+as the reference's kernel multiplies them: :func:`~stepops.testing.dense_attention.masked_attention`, the
+paged attention's test oracle), MLP and MoE (a per-expert loop over the routed tokens, as the reference's
+CPU path).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from stepops.layouts import REGION_SIZE
-from stepops.models.step5 import CSA, Step5Config
+from stepops.models.step5_config import CSA, Step5Config
 from stepops.testing.dense_attention import masked_attention
 
 _FP8 = torch.float8_e4m3fn

@@ -23,6 +23,7 @@ import torch
 import stepops.models.step5 as step5
 from stepops.models import InklingConfig, InklingModel, Step5Config, Step5Model
 from stepops.models.runner import ScheduledRequest, StepRunner, Workload, run_workload
+from stepops.models.step5_config import CSA
 from stepops.models.step5_weights import load_step5_state_dict
 from stepops.testing import TOLERANCES
 from stepops.testing.recompute import (
@@ -262,7 +263,7 @@ def _run_poisoned(model, poison: bool):
     runner = StepRunner(model, max_requests=4, max_model_len=_WORKLOAD.max_len, max_tokens=16, device=_device())
     for layer in model.layers:
         layer.attn.kv_cache.fill_(float("nan") if poison else 0.0)
-        if getattr(layer, "kind", None) == step5.CSA:
+        if getattr(layer, "kind", None) == CSA:
             layer.summary_cache.fill_(0x7F if poison else 0)
     return run_workload(runner, _WORKLOAD, model.config.hidden_size).outputs
 

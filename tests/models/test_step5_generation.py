@@ -19,7 +19,8 @@ import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
 from stepops.models.runner import COMPILED, EAGER, TOKENS, ScheduledRequest, StepRunner
-from stepops.models.step5 import Step5Config, Step5ForCausalLM
+from stepops.models.step5 import Step5ForCausalLM
+from stepops.models.step5_config import Step5Config
 from stepops.models.step5_weights import load_step5_state_dict
 from stepops.testing.recompute import NEAR_TIE_MARGIN
 from stepops.testing.step5_checkpoint import random_step5_checkpoint

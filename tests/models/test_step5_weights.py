@@ -10,9 +10,8 @@ from safetensors.torch import load_file, save_file
 
 from stepops.layouts import InklingStream
 from stepops.models import Step5Config, Step5Model
-from stepops.models.step5 import (
-    CSA, SLIDING, STEP5_REFERENCE, Llama3RopeScaling, Step5ForCausalLM, check_fp8_blocks, dequantize_fp8_blocks,
-)
+from stepops.models.step5 import Step5ForCausalLM, check_fp8_blocks, dequantize_fp8_blocks
+from stepops.models.step5_config import CSA, SLIDING, STEP5_REFERENCE, Llama3RopeScaling
 from stepops.models.step5_weights import (
     load_step5, load_step5_safetensors, load_step5_state_dict, step5_config_from_reference,
 )
