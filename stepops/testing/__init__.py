@@ -14,9 +14,10 @@ from stepops.testing.registry import (
     op_samples,
     run_opcheck,
 )
-from stepops.testing.tolerances import TOLERANCES, Tolerance
+from stepops.testing.tolerances import INDUCTOR_KEEPS_BF16_ROUNDINGS, TOLERANCES, Tolerance
 
 __all__ = [
+    "INDUCTOR_KEEPS_BF16_ROUNDINGS",
     "OPCHECK_UTILS",
     "OpErrorInput",
     "OpSample",

@@ -28,6 +28,7 @@ from stepops.models.inkling import SPARSE, InklingMoE
 from stepops.models.moe import small_step_max_tokens
 from stepops.models.runner import COMPILED, EAGER, ScheduledRequest, StepRunner, token_ranges_for
 from stepops.models.step5 import Step5MoE
+from stepops.testing import INDUCTOR_KEEPS_BF16_ROUNDINGS, TOLERANCES
 
 FP32_BOUND = 2**-18
 HIDDEN = 64
@@ -184,7 +185,8 @@ def test_sparse_layers_exist_in_the_runner_models():
 def test_inkling_top_0_routes_no_token_to_an_expert_eager_and_compiled():
     """``num_experts_per_tok = 0`` (transformers runs it: shared experts only; against transformers in
     test_inkling_oracle's ``shared_experts_only`` variant): every step size takes the chosen-experts path,
-    with no expert, so the runner compiles one graph for all sizes; Inductor's is bitwise equal to eager."""
+    with no expert, so the runner compiles one graph for all sizes, zero-sized tensors and all; Inductor's
+    equals eager bitwise where it keeps the bf16 roundings (torch >= 2.13)."""
     config = InklingConfig(num_experts_per_tok=0)
     torch.manual_seed(0)
     moe = _inkling_moe(config.n_routed_experts, 0, torch.bfloat16)
@@ -200,5 +202,9 @@ def test_inkling_top_0_routes_no_token_to_an_expert_eager_and_compiled():
         outputs[mode] = runner.step([ScheduledRequest(0, 0, x[:9]), ScheduledRequest(1, 0, x[9:11])])
         outputs[mode] += runner.step([ScheduledRequest(0, 9, x[11:12])])
         assert runner.token_ranges == ((2, 16),) and not counters["graph_break"]
+    tol = TOLERANCES["model_vs_recompute"]
     for got, want in zip(outputs[COMPILED], outputs[EAGER], strict=True):
-        assert torch.equal(got, want)
+        if INDUCTOR_KEEPS_BF16_ROUNDINGS:
+            assert torch.equal(got, want)
+        else:
+            torch.testing.assert_close(got, want, atol=tol.atol, rtol=tol.rtol)
