@@ -22,6 +22,8 @@ layer) and allocated by :func:`stepops.allocator.allocate_kv_caches`; the e4m3 s
 layer is the layer's own ``[num_slots, 256]`` tensor of e4m3 codes. Parameter names are the checkpoint's
 (``self_attn.q_proj.weight``, ``moe.gate_proj.weight``, ...): see :mod:`stepops.models.step5_weights`.
 :class:`Step5ForCausalLM` adds the reference's token embedding and output head (token ids to logits).
+The numbers (:class:`Step5Config`, the released model's ``STEP5_REFERENCE``) are in
+:mod:`stepops.models.step5_config`.
 """
 
 from __future__ import annotations

@@ -196,7 +196,8 @@ def test_inkling_top_0_routes_no_token_to_an_expert_eager_and_compiled():
     outputs = {}
     for mode in (EAGER, COMPILED):
         torch.manual_seed(0)
-        runner = StepRunner(InklingModel(config), max_requests=2, max_model_len=24, max_tokens=16, device="cpu", mode=mode)
+        model = InklingModel(config)
+        runner = StepRunner(model, max_requests=2, max_model_len=24, max_tokens=16, device="cpu", mode=mode)
         x = torch.randn(12, config.hidden_size, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
         counters.clear()
         outputs[mode] = runner.step([ScheduledRequest(0, 0, x[:9]), ScheduledRequest(1, 0, x[9:11])])
