@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from stepops.testing.tolerances import TOLERANCES
+from stepops.testing import TOLERANCES
 
 _DOCS = Path(__file__).resolve().parents[1] / "docs"
 

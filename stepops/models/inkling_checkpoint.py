@@ -187,13 +187,14 @@ def config_from_transformers(
     ``eos_token_id`` (a ``generation_config.json`` dict) when one is given, else as
     ``GenerationConfig.from_model_config`` reads them, the config's own, else its ``text_config``'s.
     """
+    text = _text_config(hf)
     if generation_config is not None:
         eos_token_id, eos_source = generation_config.get("eos_token_id"), "generation_config.json"
     else:
         eos_token_id, eos_source = hf.get("eos_token_id"), "the Inkling config"
-    hf = dict(_text_config(hf))
-    if eos_token_id is None and generation_config is None:
-        eos_token_id = hf.get("eos_token_id")
+        if eos_token_id is None:
+            eos_token_id = text.get("eos_token_id")
+    hf = dict(text)
     for alias, name in _CONFIG_ALIASES.items():
         if alias in hf:
             hf[name] = hf.pop(alias)
