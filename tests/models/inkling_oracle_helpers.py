@@ -1,7 +1,8 @@
-"""Helpers shared by the Inkling oracle test modules (``test_inkling_oracle``, ``test_inkling_multimodal``):
-the tiny transformers text config, the fp32 layer bound, random weights, a one-file copy of a checkpoint. Not a
-test module (pytest collects ``test_*.py`` only); the test modules import it by name, as they import
-``conftest``. It imports no transformers: every helper works on the config dict and the saved files."""
+"""Helpers shared by the Inkling test modules that check against transformers (``test_inkling_oracle``,
+``test_inkling_checkpoint``, ``test_inkling_multimodal``): the tiny transformers text config, the fp32 layer
+bound, random weights, a random model saved by transformers and loaded back, a one-file copy of a checkpoint.
+Not a test module (pytest collects ``test_*.py`` only); the test modules import it by name, as they import
+``conftest``."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import json
 import torch
 
 from safetensors.torch import load_file, save_file
+from transformers import InklingForCausalLM, InklingTextConfig  # the test extra pins 5.23.0
 
 VOCAB = 128
 HF_CONFIG = dict(
@@ -64,6 +66,30 @@ def randomize_parameters(model: torch.nn.Module) -> None:
                 # Unit-gain projections (transformers' std 0.02 makes every sublayer a small correction to
                 # the residual, too small next to bf16 rounding for the bf16 test to see a wrong part).
                 param.normal_(0.0, param.shape[-1] ** -0.5)
+
+
+def _random_correction_bias(shape: torch.Size) -> torch.Tensor:
+    """Routing that varies from token to token (some tokens are near ties, see the bf16 oracle test)."""
+    return torch.randn(shape) * 0.5
+
+
+def save_random_inkling(path, config: dict = HF_CONFIG, correction_bias=_random_correction_bias):
+    """A tiny random transformers Inkling (``config``) saved with ``save_pretrained`` (sharded: several
+    files) at ``path``; ``correction_bias(shape)`` gives each router's ``e_score_correction_bias``."""
+    torch.manual_seed(0)
+    model = InklingForCausalLM(InklingTextConfig(**config)).eval()
+    randomize_parameters(model)
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            if "e_score_correction_bias" in name:
+                buffer.copy_(correction_bias(buffer.shape))
+    model.save_pretrained(path, max_shard_size="40KB")
+    return path
+
+
+def load_transformers_inkling(checkpoint, dtype: torch.dtype) -> InklingForCausalLM:
+    """transformers' model of ``checkpoint`` in ``dtype``, with its eager attention, in eval mode."""
+    return InklingForCausalLM.from_pretrained(checkpoint, dtype=dtype, attn_implementation="eager").eval()
 
 
 def single_file_copy(checkpoint, tmp_path, edit=None, config_edit=None):
