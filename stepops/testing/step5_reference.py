@@ -145,6 +145,21 @@ def indexer_scores(
     c: Step5Config, state: Mapping[str, torch.Tensor], prefix: str, h: torch.Tensor, theta: float, scaling
 ) -> torch.Tensor:
     """``[L, G, num_complete_regions]`` fp32: each query's score of each complete region, per KV group."""
+    dots, _, head_weights = indexer_terms(c, state, prefix, h, theta, scaling)
+    return region_scores(dots, head_weights)
+
+
+def region_scores(dots: torch.Tensor, head_weights: torch.Tensor) -> torch.Tensor:
+    """The sum over a KV group's heads of ``relu(dot) * head weight`` (:func:`indexer_terms`'s)."""
+    return (dots.clamp(min=0) * head_weights[..., None]).sum(2)
+
+
+def indexer_terms(
+    c: Step5Config, state: Mapping[str, torch.Tensor], prefix: str, h: torch.Tensor, theta: float, scaling
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The indexer's terms per query, KV group, head of the group and complete region: the dots of the e4m3
+    query and summary ``[L, G, H, R]``, the sums of their products' magnitudes (the scale a rounding of the
+    dot goes with) ``[L, G, H, R]``, and the head weights ``[L, G, H]``."""
     length, groups, per_group, dim = h.shape[0], c.num_kv_heads, c.index_heads_per_group, c.index_proxy_dim
     p = f"{prefix}self_attn.sparse_indexer_"
     q = F.linear(h, state[p + "q.weight"]).view(length, c.index_num_heads, dim)
@@ -164,7 +179,8 @@ def indexer_scores(
     summaries = summaries.to(torch.bfloat16).float().clamp(-_FP8_MAX, _FP8_MAX).to(_FP8).float()
     q8 = q.clamp(-_FP8_MAX, _FP8_MAX).to(_FP8).float().view(length, groups, per_group, dim)
     dots = torch.einsum("lghd,rd->lghr", q8, summaries)
-    return (dots.clamp(min=0) * w.view(length, groups, per_group, 1)).sum(2)
+    magnitudes = torch.einsum("lghd,rd->lghr", q8.abs(), summaries.abs())
+    return dots, magnitudes, w.view(length, groups, per_group)
 
 
 def _ranked(row: list[float], candidates: int) -> list[int]:
@@ -172,12 +188,21 @@ def _ranked(row: list[float], candidates: int) -> list[int]:
     return sorted(range(candidates), key=lambda r: (-row[r], r))
 
 
-def region_selection(scores: torch.Tensor, top_k: int, margin: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+def region_selection(
+    scores: torch.Tensor, top_k: int, margin: float | None, unsettled: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``[G, L, L]`` bool (key ``j`` in a region group ``g`` of query ``i`` selects: its top-k earlier complete
     regions and its own) and ``[L]`` bool (some group's k-th and (k+1)-th scores are within ``margin`` times
-    its largest candidate magnitude)."""
+    its largest candidate magnitude).
+
+    ``unsettled [L, G, R]`` (:func:`unsettled_scores`) separates exact ties at 0 from near ones. A score is 0
+    where every head's dot is at most 0 (its relu closes), common with few heads per group. Where the k-th
+    and (k+1)-th scores are both 0, no zero score is unsettled and no other score lies within the margin of
+    0, every correct implementation scores the same candidates 0 and breaks the tie by the lower region id:
+    no near tie. Without ``unsettled``, every gap within the margin is one, exact ties included."""
     length, groups = scores.shape[0], scores.shape[1]
     table = scores.cpu().tolist()
+    loose = None if unsettled is None else unsettled.cpu().tolist()
     allowed = torch.zeros(groups, length, length, dtype=torch.bool)
     near = torch.zeros(length, dtype=torch.bool)
     for i in range(length):
@@ -188,9 +213,22 @@ def region_selection(scores: torch.Tensor, top_k: int, margin: float | None) -> 
                 allowed[g, i, r * REGION_SIZE : (r + 1) * REGION_SIZE] = True
             if margin is not None and len(ranked) > top_k:
                 row = table[i][g]
-                gap = row[ranked[top_k - 1]] - row[ranked[top_k]]
-                near[i] |= gap <= margin * max(abs(row[r]) for r in ranked)
+                kth, following = row[ranked[top_k - 1]], row[ranked[top_k]]
+                bound = margin * max(abs(row[r]) for r in ranked)
+                settled_zero_tie = (
+                    loose is not None
+                    and kth == following == 0
+                    and not any(0 < abs(row[r]) <= bound or (row[r] == 0 and loose[i][g][r]) for r in ranked)
+                )
+                near[i] |= kth - following <= bound and not settled_zero_tie
     return allowed, near
+
+
+def unsettled_scores(dots: torch.Tensor, magnitudes: torch.Tensor, margin: float) -> torch.Tensor:
+    """``[L, G, R]`` bool: the scores with a head whose dot is not clearly below 0 (above ``-margin`` times its
+    products' magnitudes, :func:`indexer_terms`): a rounding apart, its relu may pass a value where this one
+    gives 0."""
+    return (dots > -margin * magnitudes).any(2)
 
 
 def recompute_layer(
@@ -212,7 +250,9 @@ def recompute_layer(
     j_pos = torch.arange(length)[None, :]
     near = torch.zeros(length, dtype=torch.bool)
     if kind == CSA:
-        allowed, near = region_selection(indexer_scores(c, state, prefix, h, theta, scaling), c.index_top_k, margin)
+        dots, magnitudes, head_weights = indexer_terms(c, state, prefix, h, theta, scaling)
+        unsettled = None if margin is None else unsettled_scores(dots, magnitudes, margin)
+        allowed, near = region_selection(region_scores(dots, head_weights), c.index_top_k, margin, unsettled)
         allowed &= j_pos <= i_pos
     else:
         allowed = ((j_pos <= i_pos) & (j_pos > i_pos - c.sliding_window)).expand(groups, length, length)

@@ -1,5 +1,6 @@
 """The Step5 recompute's region choices: near ties are marked per KV group (and nothing else), exact ties go
-to the lower id in both the layer and the recompute; the layer's indexer scores equal the recompute's."""
+to the lower id in both the layer and the recompute (ties at 0 that no rounding moves are exact, not near);
+the layer's indexer scores equal the recompute's."""
 
 import pytest
 import torch
@@ -44,13 +45,38 @@ def test_near_ties_at_top_k_2_are_between_the_second_and_third_scores():
     assert near.nonzero().flatten().tolist() == [25, 26, 27, 28, 29, 30, 31]  # 26..31: exact ties (all 0)
 
 
+def test_a_tie_at_zero_is_exact_where_no_score_may_round_across_zero():
+    """Given the recompute's ``unsettled`` scores, a k-th and (k+1)-th both 0 are an exact tie (every correct
+    implementation takes the lower id) unless a zero score has a dot within the margin of 0 (a rounding may
+    open its relu) or another score lies within the margin of 0. Tokens 32..39 have four earlier regions."""
+    scores = torch.zeros(40, 1, 4)
+    unsettled = torch.zeros(40, 1, 4, dtype=torch.bool)
+    unsettled[33, 0, 3] = True  # an unchosen zero that may turn positive
+    unsettled[34, 0, 0] = True  # a chosen zero that may turn negative (a negative head weight)
+    scores[35, 0, 2:] = torch.tensor([-0.01, -1.0])  # -0.01 lies within 2**-5 * 1.0 of 0
+    scores[36, 0, 2:] = torch.tensor([-0.5, -1.0])  # clear of 0: the tie at 0 stays exact
+    _, near = region_selection(scores, top_k=1, margin=2**-5, unsettled=unsettled)
+    assert near[32:].nonzero().flatten().tolist() == [1, 2, 3]
+    _, near_without = region_selection(scores, top_k=1, margin=2**-5)
+    assert near_without[32:].all()  # without unsettled, every tie at 0 is taken for a near one
+
+
+def test_unsettled_scores_have_a_dot_not_clearly_below_zero():
+    """Per region (two heads): dots clearly below 0, one within 2**-10 of its products' magnitudes below 0,
+    a dot of 0 from all-zero products (stays 0 under any rounding), a dot of 0 from nonzero products."""
+    dots = torch.tensor([[-1.0, -1.0, 0.0, 0.0], [-1.0, -(2**-12), -1.0, -1.0]]).view(1, 1, 2, 4)
+    magnitudes = torch.tensor([[1.0, 1.0, 0.0, 1.0], [1.0, 1.0, 1.0, 1.0]]).view(1, 1, 2, 4)
+    unsettled = reference.unsettled_scores(dots, magnitudes, margin=2**-10)
+    assert unsettled.flatten().tolist() == [False, True, False, True]
+
+
 def test_a_near_tie_before_the_last_layer_marks_the_rest_of_its_request(monkeypatch):
     """A near-tie choice in a layer before the last changes that row's keys and values there, which every
     later row of the request reads: the recompute marks them all; in the last layer only the row itself."""
     choose = reference.region_selection
 
-    def near_tie_at_row_30(scores, top_k, margin):
-        allowed, near = choose(scores, top_k, margin)
+    def near_tie_at_row_30(scores, top_k, margin, unsettled):
+        allowed, near = choose(scores, top_k, margin, unsettled)
         return allowed, torch.arange(near.shape[0]) == 30
 
     monkeypatch.setattr(reference, "region_selection", near_tie_at_row_30)
@@ -76,7 +102,8 @@ def test_the_random_checkpoint_exercises_what_the_reference_rounds_and_adds():
 def test_tied_scores_select_the_lowest_region_ids(monkeypatch):
     """With the CSA indexer's query projection zeroed every region score is relu(0) * w = 0: a token in
     region own >= k + 1 selects regions 0..k-1 (and reads its own) in every KV group, in the layer (checked on
-    its selected ids) and in the recompute (checked on the outputs, with no row left out)."""
+    its selected ids) and in the recompute (checked on the outputs). Every dot sums zero products, so no
+    rounding moves a score off 0: exact ties, and the recompute's near-tie margin leaves no row out."""
     config = Step5Config()
     checkpoint = random_step5_checkpoint(config, seed=0)
     checkpoint["layers.1.self_attn.sparse_indexer_q.weight"].zero_()
@@ -108,7 +135,7 @@ def test_tied_scores_select_the_lowest_region_ids(monkeypatch):
                 assert torch.equal(row, want), f"position {p}: selected {row.tolist()}"
             checked += own >= k + 1
     assert checked > 20  # tokens that had a real choice among tied regions
-    comparison = compare_with_recompute(model, result.inputs, result.outputs, near_tie_margin=None, state_dict=checkpoint)
+    comparison = compare_with_recompute(model, result.inputs, result.outputs, state_dict=checkpoint)
     assert comparison.near_tie_rows == 0
     assert comparison.max_row_relative_err <= len(model.layers) * TOLERANCES["model_vs_recompute_cpu"].rtol
     assert comparison.differing_fraction <= 1 / 8
