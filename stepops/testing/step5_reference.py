@@ -202,7 +202,7 @@ def region_selection(
     no near tie. Without ``unsettled``, every gap within the margin is one, exact ties included."""
     length, groups = scores.shape[0], scores.shape[1]
     table = scores.cpu().tolist()
-    loose = None if unsettled is None else unsettled.cpu().tolist()
+    unsettled_table = None if unsettled is None else unsettled.cpu().tolist()
     allowed = torch.zeros(groups, length, length, dtype=torch.bool)
     near = torch.zeros(length, dtype=torch.bool)
     for i in range(length):
@@ -216,9 +216,9 @@ def region_selection(
                 kth, following = row[ranked[top_k - 1]], row[ranked[top_k]]
                 bound = margin * max(abs(row[r]) for r in ranked)
                 settled_zero_tie = (
-                    loose is not None
+                    unsettled_table is not None
                     and kth == following == 0
-                    and not any(0 < abs(row[r]) <= bound or (row[r] == 0 and loose[i][g][r]) for r in ranked)
+                    and not any(0 < abs(row[r]) <= bound or (row[r] == 0 and unsettled_table[i][g][r]) for r in ranked)
                 )
                 near[i] |= kth - following <= bound and not settled_zero_tie
     return allowed, near

@@ -30,7 +30,14 @@ import torch
 import torch._dynamo.testing
 from torch._dynamo.utils import counters
 
-from inkling_oracle_helpers import FP32_LAYER, HF_CONFIG, VOCAB, load_transformers_inkling, save_random_inkling, single_file_copy
+from inkling_oracle_helpers import (
+    FP32_LAYER,
+    HF_CONFIG,
+    VOCAB,
+    load_transformers_inkling,
+    save_random_inkling,
+    single_file_copy,
+)
 from transformers import InklingForCausalLM, InklingTextConfig  # the test extra pins 5.23.0
 
 from stepops.models.inkling import InklingModel, InklingRMSNorm
