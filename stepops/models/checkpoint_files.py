@@ -46,6 +46,10 @@ def transformers_weight_files(directory: Path) -> list[Path] | None:
     weight_map = read_json_object(index).get("weight_map")
     if not isinstance(weight_map, dict):
         raise ValueError(f"{index}: no weight_map object (expected the index save_pretrained writes)")
+    not_names = [(key, name) for key, name in weight_map.items() if not isinstance(name, str) or not name]
+    if not_names:
+        key, name = not_names[0]
+        raise ValueError(f"{index}: weight_map[{key!r}] must name a safetensors file, got {name!r}")
     return [directory / name for name in sorted(set(weight_map.values()))]
 
 

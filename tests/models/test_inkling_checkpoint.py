@@ -63,12 +63,15 @@ def _truncate_first_shard(path):
     "edit, message",
     [
         (lambda p: (p / "model.safetensors.index.json").write_text("{}"), r"index.json: no weight_map object"),
+        # was pathlib's TypeError "unsupported operand type(s) for /", naming no file
+        (lambda p: (p / "model.safetensors.index.json").write_text('{"weight_map": {"model.norm.weight": 1}}'),
+         r"index.json: weight_map\['model.norm.weight'\] must name a safetensors file, got 1"),
         (lambda p: (p / "config.json").unlink(), r"copy: no config.json \(expected a directory written by save_pretrained\)"),
         (lambda p: (p / "config.json").write_text("[]"), r"config.json: expected a JSON object, got list"),
         (lambda p: (p / "config.json").write_text("{"), r"config.json: not valid JSON"),
         (_truncate_first_shard, r"model-00001-of-\d+.safetensors: not a readable safetensors file"),
     ],
-    ids=["no_weight_map", "no_config", "config_not_an_object", "config_not_json", "truncated_shard"],
+    ids=["no_weight_map", "weight_map_not_names", "no_config", "config_not_an_object", "config_not_json", "truncated_shard"],
 )
 def test_unreadable_checkpoint_files_are_errors_naming_the_file(checkpoint, tmp_path, edit, message):
     """Each was a KeyError, AttributeError, JSONDecodeError or SafetensorError naming no file."""
