@@ -585,10 +585,13 @@ class InklingModel(nn.Module):
         self.lm_head = _linear(c.hidden_size, c.vocab_size, dtype)
         self.dtype = dtype
         self.built_dtypes = tensor_dtypes(self)
+        self.cache_generation = 0  # how many times allocate_caches has bound new caches
 
     def allocate_caches(self, num_blocks: int, device: torch.device | str) -> KVCaches:
         """Allocate and bind every layer's own KV cache and conv-state cache (``num_blocks`` blocks each)."""
-        return allocate_kv_caches(self.static_forward_context, num_blocks, device=device)
+        caches = allocate_kv_caches(self.static_forward_context, num_blocks, device=device)
+        self.cache_generation += 1
+        return caches
 
     def cache_tensors(self) -> list[torch.Tensor]:
         """Every cache a step writes, one tensor per cache (to compare two models' caches)."""

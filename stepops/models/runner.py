@@ -73,23 +73,26 @@ def _is_token_id(value: object) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
-def _check_token_list(what: str, ids: Sequence[int]) -> None:
-    """``TypeError`` unless ``ids`` are integers (floats and bools were truncated into token ids)."""
+def _token_list(what: str, ids: object) -> list[int]:
+    """``ids`` as a list of ints: a flat sequence of integer token ids (a list, or a 1-D integer tensor or
+    array); ``TypeError`` naming ``what`` otherwise (floats and bools were truncated into token ids, and a
+    string or a nested list failed deep inside torch)."""
+    if isinstance(ids, torch.Tensor):
+        ids = ids.tolist()  # 0-d: one int, refused below; n-d: nested lists, refused below
+    if not isinstance(ids, Iterable) or isinstance(ids, (str, bytes)):
+        raise TypeError(f"{what} must be a sequence of token ids, got {type(ids).__name__}")
     ids = list(ids)
-    dtype = torch.as_tensor(ids).dtype if ids else torch.int64
-    if any(isinstance(i, bool) for i in ids):  # among ints, as_tensor makes True an int64 1
-        dtype = torch.bool
-    if not is_integer_dtype(dtype):
-        raise TypeError(f"{what}: token ids must be integers, got {dtype}")
+    not_ids = [i for i in ids if not _is_token_id(i)]
+    if not_ids:
+        raise TypeError(f"{what}: token ids must be integers, got {type(not_ids[0]).__name__}")
+    return [int(i) for i in ids]
 
 
-def _proposed(draft: Callable[[int, list[int]], Sequence[int]], i: int, tokens: list[int]) -> list[int]:
-    """``draft(i, tokens)`` as a checked list of token ids (``TypeError`` naming the draft otherwise)."""
-    proposal = draft(i, list(tokens))
-    if not isinstance(proposal, Iterable) or isinstance(proposal, (str, bytes)):
-        raise TypeError(f"draft for prompt {i} must return a sequence of token ids, got {type(proposal).__name__}")
-    proposal = list(proposal)
-    _check_token_list(f"draft for prompt {i}", proposal)
+def _proposed(draft: Callable[[int, list[int]], Sequence[int]], i: int, tokens: list[int], vocab_size: int) -> list[int]:
+    """``draft(i, tokens)`` as a checked list of token ids (``TypeError``/``ValueError`` naming the draft)."""
+    what = f"draft({i}, tokens) for prompt {i}"
+    proposal = _token_list(what, draft(i, list(tokens)))
+    check_ids_in_range(what, proposal, vocab_size, "the vocabulary")
     return proposal
 
 
@@ -207,6 +210,9 @@ class StepRunner:
             model.allocate_caches(num_blocks, self.device)
             conv_blocks = -(-max_model_len // model.conv_block_size)
         attn_blocks = -(-max_model_len // model.attn_block_size)
+        # The requests of this runner live in these caches; a later allocation (another runner on the
+        # model) replaces them, which _check_caches_bound refuses to step past.
+        self._cache_generation = model.cache_generation
 
         def shuffled(n: int) -> torch.Tensor:  # on the host whatever default device the caller has set
             return torch.randperm(n, generator=gen, device="cpu")
@@ -420,7 +426,19 @@ class StepRunner:
         with self._on_device():
             return self._step(batch)
 
+    def _check_caches_bound(self) -> None:
+        """``RuntimeError`` once the model's caches are not the ones this runner allocated: its requests'
+        context is gone, and its block tables may point past the new caches (a step would read another
+        runner's rows, or zeros)."""
+        if self.model.cache_generation != self._cache_generation:
+            raise RuntimeError(
+                "the model's caches were allocated again after this StepRunner was built (another StepRunner "
+                "on the same model, or allocate_caches): this runner's requests are gone; step the newest "
+                "runner, or build a new one"
+            )
+
     def _step(self, batch: Sequence[ScheduledRequest]) -> list[torch.Tensor]:
+        self._check_caches_bound()
         total = self._fill_buffers(batch)
         out = self._run(self.padded_size(total))
         self._commit_fed(batch)
@@ -459,6 +477,10 @@ class StepRunner:
         if self.input_kind != TOKENS:
             raise ValueError('generate needs a runner built with inputs="tokens"')
         check_int("max_new_tokens", max_new_tokens, 0)
+        vocab_size = self.model.config.vocab_size
+        if not isinstance(prompts, Iterable) or isinstance(prompts, (str, bytes)):
+            raise TypeError(f"prompts must be a sequence of prompts, got {type(prompts).__name__}")
+        prompts = [_token_list(f"prompt {i}", p) for i, p in enumerate(prompts)]
         # Checked before any step writes a cache: the last new token is fed only to predict the next.
         too_long = [i for i, p in enumerate(prompts) if len(p) + max_new_tokens - 1 > self.max_model_len]
         if too_long:
@@ -472,8 +494,7 @@ class StepRunner:
         if any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
         for i, prompt in enumerate(prompts):  # all before the first step writes a cache
-            _check_token_list(f"prompt {i}", prompt)
-            check_ids_in_range(f"prompt {i}", prompt, self.model.config.vocab_size, "the vocabulary")
+            check_ids_in_range(f"prompt {i}", prompt, vocab_size, "the vocabulary")
         stop = self._stop_token_set(stop_tokens)
         budget = self.max_tokens
         seqs = [list(p) for p in prompts]
@@ -492,7 +513,7 @@ class StepRunner:
                     most = min(room - 1, max_new_tokens - new[i] - 1)
                     if self._max_rollback is not None:  # 0 with a 7-row ring: no drafts at all
                         most = min(most, self._max_rollback)
-                    drafts = _proposed(draft, i, seq)[:most]
+                    drafts = _proposed(draft, i, seq, vocab_size)[:most]
                 room -= len(chunk) + len(drafts)
                 ids = torch.tensor(chunk + drafts, dtype=torch.int64, device="cpu")  # host ids: checked, then copied
                 batch.append(ScheduledRequest(i, cached[i], ids))
@@ -543,6 +564,7 @@ class StepRunner:
             self._warm_up(progress)
 
     def _warm_up(self, progress: Callable[[str], None] | None) -> None:
+        self._check_caches_bound()  # a graph captured now would write another runner's caches
         sizes = self.capture_sizes
         if self.mode == CUDA_GRAPH:
             # Largest first, into one shared pool: the largest step's intermediates size the pool and each
@@ -630,10 +652,21 @@ class WorkloadResult:
 
 
 def run_workload(runner: StepRunner, workload: Workload, hidden_size: int) -> WorkloadResult:
-    """Drive ``workload`` through ``runner``; return committed outputs per request."""
+    """Drive ``workload`` through ``runner``; return committed outputs per request. Request ``i`` takes
+    slot ``i``; a workload with more requests than slots, or a request longer than ``max_model_len``, is
+    refused (``ValueError``) before any step."""
+    if runner.input_kind != HIDDEN:
+        raise ValueError('run_workload feeds hidden states: it needs a runner built with inputs="hidden"')
+    n = len(workload.prompt_lens)
+    if n > runner.max_requests:
+        raise ValueError(f"the workload has {n} requests; the runner has {runner.max_requests} request slots")
+    if workload.max_len > runner.max_model_len:
+        raise ValueError(
+            f"the workload needs {workload.max_len} positions per request (its longest request and "
+            f"{workload.num_speculative_tokens} drafts); the runner's max_model_len is {runner.max_model_len}"
+        )
     rng = random.Random(workload.seed)
     gen = torch.Generator().manual_seed(workload.seed)
-    n = len(workload.prompt_lens)
     lengths = workload.lengths
     # Host tensors whatever default device the caller has set (the generator is a host one).
     inputs = [torch.randn(length, hidden_size, generator=gen, device="cpu").bfloat16() for length in lengths]
@@ -647,7 +680,7 @@ def run_workload(runner: StepRunner, workload: Workload, hidden_size: int) -> Wo
         budget = workload.token_budget
         batch, plans = [], []
         for i in range(n):
-            if committed[i] >= lengths[i] or budget == 0 or len(batch) == runner.max_requests:
+            if committed[i] >= lengths[i] or budget == 0:
                 continue
             c = committed[i]
             if c < workload.prompt_lens[i]:

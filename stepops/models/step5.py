@@ -548,11 +548,13 @@ class Step5Model(nn.Module):
         self.summary_block_size = 16  # regions per summary-cache block
         self.dtype = dtype
         self.built_dtypes = tensor_dtypes(self)
+        self.cache_generation = 0  # how many times allocate_caches has bound new caches
 
     def allocate_caches(self, num_blocks: int, num_summary_blocks: int, device: torch.device | str) -> KVCaches:
         """Allocate and bind every layer's own KV cache and ring (``num_blocks`` blocks, through the
         allocator) and each CSA layer's e4m3 summary cache (``num_summary_blocks * summary_block_size`` rows)."""
         caches = allocate_kv_caches(self.static_forward_context, num_blocks, device=device)
+        self.cache_generation += 1
         for layer in self.layers:
             if layer.kind == CSA:
                 layer.bind_summary_cache(

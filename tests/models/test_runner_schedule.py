@@ -201,11 +201,22 @@ def test_token_steps_and_generate_check_their_arguments_before_any_step():
         (lambda: runner.generate([[1, 2], [1] * 30], 5), ValueError,
          r"prompt 1 \(30 tokens\) with 5 new tokens needs 34 positions; the runner's max_model_len is 32"),
         # were truncated into token ids
-        (lambda: runner.generate([[1.7, 2.2]], 2), TypeError, "prompt 0: token ids must be integers, got torch.float32"),
-        (lambda: runner.generate([[1], [True]], 2), TypeError, "prompt 1: token ids must be integers, got torch.bool"),
-        (lambda: runner.generate([[1, True]], 2), TypeError, "prompt 0: token ids must be integers, got torch.bool"),
+        (lambda: runner.generate([[1.7, 2.2]], 2), TypeError, "prompt 0: token ids must be integers, got float"),
+        (lambda: runner.generate([[1], [True]], 2), TypeError, "prompt 1: token ids must be integers, got bool"),
+        (lambda: runner.generate([[1, True]], 2), TypeError, "prompt 0: token ids must be integers, got bool"),
+        (lambda: runner.generate([torch.tensor([1.0])], 2), TypeError, "prompt 0: token ids must be integers, got float"),
+        # each was torch's own error, naming no prompt ("too many dimensions 'str'", "Could not infer dtype")
+        (lambda: runner.generate(["abc"], 2), TypeError, "prompt 0 must be a sequence of token ids, got str"),
+        (lambda: runner.generate("ab", 2), TypeError, "prompts must be a sequence of prompts, got str"),
+        (lambda: runner.generate([[1, None]], 2), TypeError, "prompt 0: token ids must be integers, got NoneType"),
+        (lambda: runner.generate([[[1, 2]]], 2), TypeError, "prompt 0: token ids must be integers, got list"),
         (lambda: runner.generate([[1]], 2, draft=lambda i, seq: [0.5]), TypeError,
-         "draft for prompt 0: token ids must be integers"),
+         r"draft\(0, tokens\) for prompt 0: token ids must be integers, got float"),
+        (lambda: runner.generate([[1]], 2, draft=lambda i, seq: [[3, 4]]), TypeError,
+         r"draft\(0, tokens\) for prompt 0: token ids must be integers, got list"),
+        # was found inside the step, named as "request slot 0" after the prefill had run
+        (lambda: runner.generate([[1]], 2, draft=lambda i, seq: [3, 500]), ValueError,
+         r"^draft\(0, tokens\) for prompt 0: token ids must be in \[0, 128\) \(the vocabulary\), got 500$"),
         (lambda: runner.generate([[1], [2], [3]], 2), ValueError, "3 prompts; the runner has 2 request slots"),
         (lambda: runner.generate([[1], []], 2), ValueError, "every prompt needs at least one token"),
         # a stop id that can never be emitted would silently run every request to max_new_tokens
@@ -222,7 +233,7 @@ def test_token_steps_and_generate_check_their_arguments_before_any_step():
         # checked before any step: with max_new_tokens 0 no step would have seen it
         (lambda: runner.generate([[1], [999, -5]], 0), ValueError, r"^prompt 1: token ids must be in \[0, 128\) \(the vocabulary\), got 999$"),
         (lambda: runner.generate([[1]], 2, draft=lambda i, seq: None), TypeError,
-         "draft for prompt 0 must return a sequence of token ids, got NoneType"),
+         r"draft\(0, tokens\) for prompt 0 must be a sequence of token ids, got NoneType"),
     ):  # fmt: skip
         with pytest.raises(error, match=match):
             call()
@@ -258,6 +269,46 @@ def test_the_runners_sizes_are_checked_by_name(kwargs, error, match):
 def test_a_workload_that_cannot_run_is_refused(kwargs, match):
     with pytest.raises(ValueError, match=match):
         Workload(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "runner_kwargs, match",
+    [
+        # request 3 went to slot 3 after the others' steps had run
+        (dict(max_requests=2), "the workload has 3 requests; the runner has 2 request slots"),
+        (dict(max_model_len=7), r"needs 8 positions per request \(its longest request and 3 drafts\); the runner's max_model_len is 7"),
+        (dict(inputs="tokens"), 'run_workload feeds hidden states: it needs a runner built with inputs="hidden"'),
+    ],
+    ids=["more-requests-than-slots", "longer-than-max_model_len", "token-runner"],
+)
+def test_run_workload_refuses_what_the_runner_cannot_hold_before_any_step(runner_kwargs, match):
+    workload = Workload(prompt_lens=(3, 2, 4), decode_lens=(2, 2, 1), token_budget=4)
+    model = InklingModel()
+    runner = StepRunner(model, **(dict(max_requests=3, max_model_len=8, max_tokens=4, device="cpu") | runner_kwargs))
+    with pytest.raises(ValueError, match=match):
+        run_workload(runner, workload, model.config.hidden_size)
+    assert runner.steps == 0
+
+
+@pytest.mark.parametrize("make_model", [InklingModel, Step5Model], ids=["inkling", "step5"])
+def test_a_runner_whose_caches_were_allocated_again_refuses_to_step(make_model):
+    """A second StepRunner on one model binds new caches: the first runner's next step read them (zeros, or
+    the second runner's rows; past them when the second is smaller) with no error. It refuses now, before
+    writing anything; the newest runner steps as a fresh one."""
+    torch.manual_seed(0)
+    model = make_model()
+    first = StepRunner(model, max_requests=2, max_model_len=32, max_tokens=16, device="cpu")
+    x = _x(first, 12)
+    first.step([ScheduledRequest(0, 0, x[:11])])
+    second = StepRunner(model, max_requests=1, max_model_len=8, max_tokens=8, device="cpu")
+    snapshot = StorageSnapshot([*model.cache_tensors(), *first.buffers, first.inputs])
+    for call in (lambda: first.step([ScheduledRequest(0, 11, x[11:])]), first.warm_up):
+        with pytest.raises(RuntimeError, match="the model's caches were allocated again after this StepRunner was built"):
+            call()
+    assert snapshot.changed_bytes() == 0
+    fresh = StepRunner(make_model(), max_requests=1, max_model_len=8, max_tokens=8, device="cpu")
+    fresh.model.load_state_dict(model.state_dict())
+    assert torch.equal(second.step([ScheduledRequest(0, 0, x[:3])])[0], fresh.step([ScheduledRequest(0, 0, x[:3])])[0])
 
 
 def test_a_step5_step_further_back_than_the_csa_rings_keep_is_refused():
