@@ -413,6 +413,17 @@ def test_validate_rejects_inconsistent_metadata():
 
     assert "token 3 of request 1 has position -1" in _validate_error(edit_metadata=request_1_from_position_minus_1)
     assert "block_table row in [0, 2)" in _validate_error(edit_metadata=_set("token_request", 0, 2))
+    # The mismatch message tried every block size up to the slot (2**31 - 1 never answered).
+    assert "token 0 has slot 2147483647, but its block table gives" in _validate_error(
+        edit_metadata=_set("slot_mapping", 0, 2**31 - 1)
+    )
+
+    def wrong_slot_then_a_request_past_the_table(metadata):  # the message read token 3's row: IndexError
+        metadata.slot_mapping[0], metadata.token_request[3:5] = 0, 99
+
+    assert "token 0 has slot 0, but its block table gives" in _validate_error(
+        edit_metadata=wrong_slot_then_a_request_past_the_table
+    )
     assert "past its block table" in _validate_error(edit_metadata=_set("token_position", 0, 12))
 
 

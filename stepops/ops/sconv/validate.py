@@ -81,17 +81,26 @@ def validate_sconv_inputs(
         raise ValueError(f"sconv: token {stored[slot]} stores slot {slot}, which token {read[slot]} reads")
 
 
-def _slot_mismatch(t, slot, expected, block_size, table, request, slot_mapping, position) -> str:
-    """The message for a slot that its block table does not give: names the block size the metadata were
-    built for when one other ``N`` explains every stored slot (the common mistake), else the token."""
-    stored = [(r, s, p) for r, s, p in zip(request, slot_mapping, position) if r >= 0 and s >= 0]
+# The largest block size the mismatch message tries as an explanation: far above any cache's N, and small
+# enough that the search stays in milliseconds whatever slot ids the caller passed.
+_MAX_BLOCK_SIZE_TRIED = 1 << 16
 
-    def explains(n: int) -> bool:
+
+def _slot_mismatch(t, slot, expected, block_size, table, request, slot_mapping, position) -> str:
+    """The message for token ``t``'s slot, which its block table does not give: names the block size the
+    metadata were built for when one other ``N`` (up to ``_MAX_BLOCK_SIZE_TRIED``) explains every slot
+    stored so far (the common mistake), else the token. Only tokens ``0..t`` are read: the validator has
+    checked their requests and positions, not those of later tokens."""
+    stored = [(r, s, p) for r, s, p in zip(request[: t + 1], slot_mapping[: t + 1], position[: t + 1]) if r >= 0 and s >= 0]
+
+    def explains(n: int, tokens) -> bool:
         return all(
-            p // n < len(table[r]) and table[r][p // n] >= 0 and s == table[r][p // n] * n + p % n for r, s, p in stored
+            p // n < len(table[r]) and table[r][p // n] >= 0 and s == table[r][p // n] * n + p % n for r, s, p in tokens
         )
 
-    others = [n for n in range(1, max(s for _, s, _ in stored) + 2) if n != block_size and explains(n)]
+    candidates = range(1, min(max(s for _, s, _ in stored) + 1, _MAX_BLOCK_SIZE_TRIED) + 1)
+    # Token t alone rules out nearly every candidate; the rest are checked against every stored token.
+    others = [n for n in candidates if n != block_size and explains(n, stored[-1:]) and explains(n, stored)]
     if others:
         return (
             f"sconv: the metadata were built for block size {others[0]}, but the cache's block size N is "
