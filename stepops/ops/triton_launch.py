@@ -29,6 +29,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import triton.language as tl
 from triton import knobs
 from triton.runtime import driver
 from triton.runtime.jit import JITFunction
@@ -48,6 +49,21 @@ def next_power_of_2(n: int) -> int:
     """The least power of two >= ``n`` for ``n >= 0`` (0 for 0), as ``triton.next_power_of_2``, in plain
     Python (see :func:`cdiv`)."""
     return 1 << (n - 1).bit_length() if n > 0 else 0
+
+
+def check_tile_fits(op: str, rows: int, columns: int, **sizes: int) -> None:
+    """``NotImplementedError`` unless a ``[rows, columns]`` tile fits one Triton tensor
+    (``triton.language.TRITON_MAX_TENSOR_NUMEL`` elements, 2**20 on Triton 3.6-3.9). A kernel that holds a
+    token's whole row in one program cannot be built past it (Triton's compile error names no argument);
+    ``sizes`` are the argument sizes that set the tile, for the message. The PyTorch kernels have no such
+    limit."""
+    if rows * columns > tl.TRITON_MAX_TENSOR_NUMEL:
+        named = ", ".join(f"{name} = {size}" for name, size in sizes.items())
+        raise NotImplementedError(
+            f"{op}: {named} needs a [{rows}, {columns}] tile per program, more than the "
+            f"{tl.TRITON_MAX_TENSOR_NUMEL} elements a Triton tensor may hold: not implemented in the Triton "
+            "kernel (the PyTorch kernel, the op's CPU path, runs it)"
+        )
 
 
 class CachedLaunch:

@@ -280,6 +280,18 @@ def test_empty_rows_p0_run_on_both_kernels():
     device = triton_device()
     csa_ring_update_triton(*copy_as_views(args, device))
 
+
+def test_rows_past_tritons_tensor_limit_are_not_implemented_on_triton_and_run_on_cpu():
+    """P = 2**17 + 1: the deferred rows' [8, 2**18] tile is past the 2**20 elements of a Triton tensor, and
+    Triton's compile error named no argument. The PyTorch kernel (the CPU path) runs it."""
+    proxy_dim = 2**17 + 1
+    step = make_step([8], [8], proxy_dim=proxy_dim, capacity=8, generator=torch.Generator().manual_seed(0))
+    args = list(step.op_args())
+    torch.ops.stepops.csa_ring_update(*args)
+    with pytest.raises(NotImplementedError, match=r"csa_ring_update: P = 131073 needs a \[8, 262144\] tile per program"):
+        csa_ring_update_triton(*copy_as_views(list(step.op_args()), triton_device()))
+
+
 # ------------------------------------------------------------------------------------------------------
 # Bad input
 # ------------------------------------------------------------------------------------------------------

@@ -166,6 +166,19 @@ def test_zero_sized_heads_or_head_dims_run_on_both_kernels(heads, head_size, hea
     assert torch.equal(got_k.cpu(), want_k) and torch.equal(got_v.cpu(), want_v)
 
 
+def test_heads_past_tritons_tensor_limit_are_not_implemented_on_triton_and_run_on_cpu():
+    """H = 1025 heads of 1024: one token's [2048, 1024] tile is past the 2**20 elements of a Triton tensor,
+    and Triton's compile error named no argument. The PyTorch kernel (the CPU path) runs it."""
+    key = torch.randn(1, 1025, 1024).to(torch.bfloat16)
+    slots = torch.tensor([1], dtype=torch.int32)
+    key_cache, value_cache = torch.zeros(1, 2, 1025, 1024, dtype=torch.bfloat16), torch.zeros(1, 2, 1025, 0)
+    paged_kv_write(key, key[..., :0].float(), key_cache, value_cache, slots)
+    assert torch.equal(key_cache[0, 1], key[0])
+    device = triton_device()
+    with pytest.raises(NotImplementedError, match=r"paged_kv_write: H = 1025, D = 1024, Dv = 0 needs a \[2048, 1024\] tile"):
+        paged_kv_write_triton(*copy_as_views([key, key[..., :0].float(), key_cache, value_cache, slots], device))
+
+
 @pytest.mark.parametrize("mode", ["eager", "fake"])
 def test_a_cache_with_block_size_zero_is_a_value_error_not_a_zero_division(mode):
     """N = 0 (``key_cache.shape[1]``): the checks refused nothing, so an all-padding step reached

@@ -14,7 +14,7 @@ import triton.language as tl
 from stepops._meta.paged_kv_write import check_paged_kv_write_args
 from stepops.ops.paged_kv_write.torch_kernel import as_bits
 from stepops.ops.triton_bounds import bad_id, count_error, in_extent
-from stepops.ops.triton_launch import CachedLaunch, next_power_of_2
+from stepops.ops.triton_launch import CachedLaunch, check_tile_fits, next_power_of_2
 
 
 @triton.jit
@@ -89,6 +89,12 @@ def paged_kv_write_triton(
     """Launch one program per token; the grid depends only on ``T`` (see the PyTorch kernel for semantics)."""
     check_paged_kv_write_args(key, value, key_cache, value_cache, slot_mapping, errors)
     num_tokens, num_heads, head_size = key.shape
+    # At least 1: a zero-sized H, D or Dv (e.g. Dv = 0 for a packed latent) is a fully masked tile.
+    head_size_v = value.shape[2]
+    block_h = max(next_power_of_2(num_heads), 1)
+    block_d = max(next_power_of_2(head_size), 1)
+    block_dv = max(next_power_of_2(head_size_v), 1)
+    check_tile_fits("paged_kv_write", block_h, max(block_d, block_dv), H=num_heads, D=head_size, Dv=head_size_v)
     if num_tokens == 0:
         return
     # The kernel reads slot t at `slot_mapping + t`: a strided [T] view (e.g. a column of a [T, k] table)
@@ -110,15 +116,14 @@ def paged_kv_write_triton(
         key_cache.shape[0] * key_cache.shape[1],
         num_heads,
         head_size,
-        value.shape[2],
+        head_size_v,
         *key.stride(),
         *value.stride(),
         *key_cache.stride(),
         *value_cache.stride(),
-        # At least 1: a zero-sized H, D or Dv (e.g. Dv = 0 for a packed latent) is a fully masked tile.
-        BLOCK_H=max(next_power_of_2(num_heads), 1),
-        BLOCK_D=max(next_power_of_2(head_size), 1),
-        BLOCK_DV=max(next_power_of_2(value.shape[2]), 1),
+        BLOCK_H=block_h,
+        BLOCK_D=block_d,
+        BLOCK_DV=block_dv,
         HAS_ERRORS=errors is not None,
         # Triton's default, stated: 128 threads x 8 bf16 (one 128-bit access each) cover a model-sized
         # [8, 128] head tile in one pass; a pure copy needs no more threads per token.
