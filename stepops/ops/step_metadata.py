@@ -55,8 +55,9 @@ def check_step_lengths(builder: str, query_start_loc: torch.Tensor, seq_lens: to
 
     Shapes, dtypes and ``num_tokens`` are always checked. The data rules (``query_start_loc`` starts at 0
     and never decreases, ends at most at ``num_tokens``; ``seq_lens[r]`` counts at least the request's
-    tokens in this step) are checked only where they cost no device sync: CPU tensors, outside
-    ``torch.compile``. On a GPU the op's ``validate=True`` reports their consequences.
+    tokens in this step, and at most ``2**31``, so every position fits int32) are checked only where they
+    cost no device sync: CPU tensors, outside ``torch.compile``. On a GPU the op's ``validate=True`` reports
+    their consequences.
     """
     check_int(f"{builder}: num_tokens", num_tokens, 0)
     if query_start_loc.dim() != 1 or seq_lens.dim() != 1 or query_start_loc.numel() != seq_lens.numel() + 1:
@@ -89,6 +90,11 @@ def check_step_lengths(builder: str, query_start_loc: torch.Tensor, seq_lens: to
             raise ValueError(
                 f"{builder}: seq_lens[{r}] = {length} is less than request {r}'s {n} tokens in this step; "
                 "seq_lens counts the tokens after the step, this step's included"
+            )
+        if length > _INT32.max + 1:  # its positions would saturate to one int32 position (to_int32_ids)
+            raise ValueError(
+                f"{builder}: seq_lens[{r}] = {length} puts positions past 2**31 - 1, the last the ops' int32 "
+                "metadata hold"
             )
 
 

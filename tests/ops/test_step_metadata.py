@@ -129,8 +129,8 @@ def test_op_builders_derive_from_given_token_metadata():
 
 def test_ids_past_int32_saturate_and_the_ops_refuse_them():
     """The builders compute ids in int64 and hand the ops int32: an id past int32 (a garbage block-table
-    entry, ring block or sequence length) becomes 2**31 - 1, outside every cache, which the op refuses. Before,
-    it wrapped: block 2**30 of N = 4 became slot 0 and the sconv op overwrote block 0, another request's."""
+    entry or ring block) becomes 2**31 - 1, outside every cache, which the op refuses. Before, it wrapped:
+    block 2**30 of N = 4 became slot 0 and the sconv op overwrote block 0, another request's."""
     from stepops.ops.csa_ring_update import build_csa_ring_metadata
     from stepops.ops.sconv import build_sconv_metadata, sconv
 
@@ -147,7 +147,24 @@ def test_ids_past_int32_saturate_and_the_ops_refuse_them():
     ring = build_csa_ring_metadata(torch.tensor([0, 1]), torch.tensor([8]), torch.tensor([2**29]), 8,
                                    torch.tensor([[2**29]]), 16, 1)  # fmt: skip
     assert ring.ring_base.tolist() == [int32_max] and ring.summary_slot.tolist() == [int32_max]
-    assert build_token_metadata(torch.tensor([0, 1]), torch.tensor([2**33]), 1).position.tolist() == [int32_max]
+
+
+def test_a_sequence_length_past_int32_positions_is_refused_on_cpu():
+    """A saturated position is no out-of-range id: positions 2**31 - 1 and "2**31" became one, so two tokens
+    stored one ring row and sconv convolved positions that did not step, with no error. On a GPU (no host
+    check) they saturate inside the request's own rows, and validate=True names the repeated position."""
+    from stepops.ops.csa_ring_update import build_csa_ring_metadata
+    from stepops.ops.sconv import build_sconv_metadata
+
+    qsl, table = torch.tensor([0, 2]), torch.zeros(1, 1, dtype=torch.int32)
+    assert build_token_metadata(qsl, torch.tensor([2**31]), 2).position.tolist() == [2**31 - 2, 2**31 - 1]
+    for build in (
+        lambda lens: build_token_metadata(qsl, lens, 2),
+        lambda lens: build_sconv_metadata(qsl, lens, table, 4, 2),
+        lambda lens: build_csa_ring_metadata(qsl, lens, torch.tensor([0]), 8, table, 16, 2),
+    ):
+        with pytest.raises(ValueError, match=r"seq_lens\[0\] = 2147483649 puts positions past 2\*\*31 - 1"):
+            build(torch.tensor([2**31 + 1]))
 
 
 def test_sizes_past_int64_are_a_value_error_in_every_builder():
