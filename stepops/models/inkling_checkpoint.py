@@ -175,14 +175,20 @@ def _text_config(hf: dict[str, Any]) -> dict[str, Any]:
 
 
 def config_from_transformers(
-    hf: dict[str, Any], *, block_size: int = 16, generation_config: dict[str, Any] | None = None
+    hf: dict[str, Any],
+    *,
+    block_size: int = 16,
+    num_speculative_tokens: int = 3,
+    generation_config: dict[str, Any] | None = None,
 ) -> InklingConfig:
     """An :class:`InklingConfig` from a transformers Inkling ``config.json`` dict (an ``InklingTextConfig``,
     or an ``InklingConfig`` whose ``text_config`` is read; its vision and audio configs are out of scope).
     transformers' aliases (``sconv_kernel_size``, ...) and ``dense_intermediate_size`` are read as it reads them.
 
     ``ValueError`` for another model type, an activation other than SiLU, a false ``is_causal``, an unknown
-    layer type or a missing field. ``block_size`` is the attention KV cache's declared block size (not a transformers setting).
+    layer type or a missing field. ``block_size`` (the attention KV cache's declared block size) and
+    ``num_speculative_tokens`` (the drafts a verify step carries: the attention's query tile) are serving
+    settings, not transformers'.
     ``eos_token_ids`` are where transformers' ``generate`` reads its stop ids: ``generation_config``'s
     ``eos_token_id`` (a ``generation_config.json`` dict) when one is given, else as
     ``GenerationConfig.from_model_config`` reads them, the config's own, else its ``text_config``'s.
@@ -211,7 +217,7 @@ def config_from_transformers(
             "attention is causal"
         )
     try:
-        config = _inkling_config(hf, block_size)
+        config = _inkling_config(hf, block_size, num_speculative_tokens)
     except KeyError as missing:
         raise ValueError(
             f"the Inkling config has no {missing.args[0]!r} (a config.json written by transformers' "
@@ -251,7 +257,7 @@ def _layer_types(hf: dict[str, Any]) -> tuple[list[str], list[str]]:
     return list(layer_types), list(mlp_layer_types)
 
 
-def _inkling_config(hf: dict[str, Any], block_size: int) -> InklingConfig:
+def _inkling_config(hf: dict[str, Any], block_size: int, num_speculative_tokens: int) -> InklingConfig:
     layer_types, mlp_layer_types = _layer_types(hf)
     unknown = sorted(set(layer_types) - set(_LAYER_TYPES))
     if unknown:
@@ -281,6 +287,7 @@ def _inkling_config(hf: dict[str, Any], block_size: int) -> InklingConfig:
         logits_mup_width_multiplier=hf["logits_mup_width_multiplier"],
         rms_norm_eps=hf["rms_norm_eps"],
         block_size=block_size,
+        num_speculative_tokens=num_speculative_tokens,
         layer_types=tuple(_LAYER_TYPES[kind] for kind in layer_types),
         mlp_layer_types=tuple(mlp_layer_types),
     )
@@ -364,6 +371,7 @@ def load_inkling(
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.bfloat16,
     block_size: int = 16,
+    num_speculative_tokens: int = 3,
 ) -> InklingModel:
     """Build an :class:`InklingModel` from a transformers checkpoint directory (see the module docstring).
 
@@ -386,7 +394,9 @@ def load_inkling(
         raise ValueError(f"{path}: an InklingTextModel checkpoint has no lm_head (no logits); save an InklingForCausalLM")
     generation_file = path / "generation_config.json"
     generation_config = read_json_object(generation_file) if generation_file.exists() else None
-    config = config_from_transformers(hf, block_size=block_size, generation_config=generation_config)
+    config = config_from_transformers(
+        hf, block_size=block_size, num_speculative_tokens=num_speculative_tokens, generation_config=generation_config
+    )
     # Built on the meta device, so nothing is allocated or randomly initialised until the checkpoint has been
     # read and checked; then allocated once on ``device`` (same strides: the conv weights stay tap-major) and
     # filled by load_state_dict: the load holds the model once, and spends no time on a random init.

@@ -43,6 +43,24 @@ def test_a_loaded_model_has_a_built_models_layouts_and_dtypes(checkpoint):
     assert all(p.device.type == "cpu" for p in loaded.parameters())
 
 
+def test_the_serving_settings_reach_the_loaded_model_and_leave_its_outputs(checkpoint):
+    """num_speculative_tokens sets the attention's query tile (load_step5 takes it too; load_inkling had no
+    way to set it): a verify step of 1 + 7 tokens gives the same bits with either tile."""
+    from stepops.models.runner import ScheduledRequest, StepRunner
+
+    torch.manual_seed(0)
+    ids = torch.randint(0, 100, (12,))
+    logits = []
+    for kwargs in (dict(), dict(block_size=32, num_speculative_tokens=7)):
+        model = load_inkling(checkpoint, **kwargs)
+        settings = (model.config.block_size, model.config.num_speculative_tokens)
+        assert settings == (kwargs.get("block_size", 16), kwargs.get("num_speculative_tokens", 3))
+        runner = StepRunner(model, max_requests=1, max_model_len=16, max_tokens=8, device="cpu", inputs="tokens")
+        runner.step([ScheduledRequest(0, 0, ids[:4])])
+        logits.append(runner.step([ScheduledRequest(0, 4, ids[4:])])[0])
+    assert torch.equal(*logits)
+
+
 def test_one_file_loads_like_the_shards(checkpoint, tmp_path):
     sharded, single = load_inkling(checkpoint).state_dict(), load_inkling(single_file_copy(checkpoint, tmp_path)).state_dict()
     assert sharded.keys() == single.keys() and all(torch.equal(sharded[k], single[k]) for k in sharded)
