@@ -53,7 +53,7 @@ from torch import nn
 
 from stepops.allocator import KVCaches, allocate_kv_caches
 from stepops.layouts import InklingConvStateLayout, InklingStream
-from stepops.models.dtypes import tensor_dtypes
+from stepops.models.dtypes import check_step_hidden, tensor_dtypes
 from stepops.models.metadata import (
     InklingStepMetadata,
     StepBuffers,
@@ -627,7 +627,8 @@ class InklingModel(nn.Module):
         return min(self._conv_block_sizes())
 
     def forward(self, hidden: torch.Tensor, buffers: StepBuffers) -> torch.Tensor:
-        """The decoder stack on ``hidden [T, hidden]`` (the embedding's output) -> ``[T, hidden]``."""
+        """The decoder stack on ``hidden [T, hidden]`` bf16 (the embedding's output) -> ``[T, hidden]``."""
+        check_step_hidden(hidden, self.config.hidden_size)
         metadata: dict[tuple[int, int], InklingStepMetadata] = {}
         for layer, (attn_n, conv_n) in zip(self.layers, self._block_sizes()):
             if (attn_n, conv_n) not in metadata:

@@ -38,7 +38,7 @@ from torch import nn
 
 from stepops.allocator import KVCaches, allocate_kv_caches
 from stepops.layouts import REGION_SIZE, REPLAY_ROWS
-from stepops.models.dtypes import tensor_dtypes
+from stepops.models.dtypes import check_step_hidden, tensor_dtypes
 from stepops.models.metadata import (
     StepBuffers,
     Step5StepMetadata,
@@ -622,7 +622,8 @@ class Step5Model(nn.Module):
         )
 
     def forward(self, hidden: torch.Tensor, buffers: StepBuffers) -> torch.Tensor:
-        """``hidden [T, hidden_size]`` (the step's embeddings) -> ``[T, hidden_size]`` bf16."""
+        """``hidden [T, hidden_size]`` bf16 (the step's embeddings) -> ``[T, hidden_size]`` bf16."""
+        check_step_hidden(hidden, self.config.hidden_size)
         metadata = self.build_metadata(buffers, hidden.shape[0])
         residual = hidden.float()
         for layer in self.layers:

@@ -291,6 +291,23 @@ def test_run_workload_refuses_what_the_runner_cannot_hold_before_any_step(runner
 
 
 @pytest.mark.parametrize("make_model", [InklingModel, Step5Model], ids=["inkling", "step5"])
+def test_a_models_own_forward_names_bad_hidden_states(make_model):
+    """Calling the model itself (as docs/models.md's compile example does): a wrong width or rank was a
+    RuntimeError from inside a norm or matmul, and Step5 ran fp32 states without their bf16 rounding."""
+    torch.manual_seed(0)
+    model = make_model()
+    runner = StepRunner(model, max_requests=1, max_model_len=16, max_tokens=8, device="cpu")
+    runner.step([ScheduledRequest(0, 0, _x(runner, 3))])
+    for hidden, error, match in (
+        (torch.zeros(4, 64), TypeError, "hidden must be bfloat16 .*, got torch.float32"),
+        (torch.zeros(4, 65, dtype=torch.bfloat16), ValueError, r"hidden must be \[T, hidden_size = 64\], got shape \(4, 65\)"),
+        (torch.zeros(4, dtype=torch.bfloat16), ValueError, r"got shape \(4,\)"),
+    ):
+        with pytest.raises(error, match=match), torch.inference_mode():
+            model(hidden, runner.buffers)
+
+
+@pytest.mark.parametrize("make_model", [InklingModel, Step5Model], ids=["inkling", "step5"])
 def test_a_runner_whose_caches_were_allocated_again_refuses_to_step(make_model):
     """A second StepRunner on one model binds new caches: the first runner's next step read them (zeros, or
     the second runner's rows; past them when the second is smaller) with no error. It refuses now, before
