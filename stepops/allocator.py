@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from stepops.specs import AttentionSpec, CircularBufferSpec, check_int
+from stepops.specs import AttentionSpec, CircularBufferSpec, check_int, is_int
 
 
 @dataclass(frozen=True)
@@ -41,6 +41,8 @@ class UnifiedPages:
 
     def is_padded(self, layer_name: str) -> bool:
         """Whether the layer's page is smaller than its block stride."""
+        if layer_name not in self.specs:
+            raise ValueError(f"no layer {layer_name!r} among the unified layers {sorted(self.specs)}")
         return self.specs[layer_name].page_size_bytes < self.page_bytes
 
 
@@ -50,12 +52,16 @@ def unify_page_sizes(specs: Mapping[str, AttentionSpec], *, strided: Collection[
     ``strided`` names the layers whose backend reads blocks through the block stride (so they may be
     padded); :class:`CircularBufferSpec` layers may always be padded. Raises ``ValueError`` when a page
     neither divides the largest page nor may be padded, or when the padded stride breaks the layer's
-    alignment.
+    alignment. A ring's block stride is a multiple of its ``block_stride_alignment`` whether scaled or
+    padded: its rows are addressed across blocks.
     """
+    if not isinstance(specs, Mapping):
+        raise TypeError(f"specs must be a mapping of layer name to AttentionSpec, got {type(specs).__name__}")
     if not specs:
         raise ValueError("unify_page_sizes needs at least one layer spec")
-    if isinstance(strided, str):  # `name in "layers.10"` would be true for "layers.1"
-        raise TypeError(f"strided must be a collection of layer names, not the string {strided!r}")
+    # `name in "layers.10"` would be true for "layers.1"; None failed only once a layer needed padding
+    if isinstance(strided, str) or not isinstance(strided, Collection):
+        raise TypeError(f"strided must be a collection of layer names, got {strided!r}")
     for name, spec in specs.items():
         if not isinstance(spec, AttentionSpec):
             raise TypeError(f"spec of layer {name} must be an AttentionSpec, got {type(spec).__name__}")
@@ -63,23 +69,22 @@ def unify_page_sizes(specs: Mapping[str, AttentionSpec], *, strided: Collection[
     unified: dict[str, AttentionSpec] = {}
     for name, spec in specs.items():
         size = spec.page_size_bytes
-        if page_bytes % size == 0:
-            unified[name] = spec.with_block_size(spec.block_size * (page_bytes // size))
-            continue
-        if not (isinstance(spec, CircularBufferSpec) or name in strided):
+        scaled = page_bytes % size == 0
+        if not (scaled or isinstance(spec, CircularBufferSpec) or name in strided):
             raise ValueError(
                 f"layer {name}: its {size}-byte page does not divide the {page_bytes}-byte page of the largest "
                 "layer, and its backend does not index blocks by stride, so it can be neither scaled nor padded"
             )
+        # A scaled page is a whole number of the layer's elements; a ring's alignment holds either way.
         alignment = spec.dtype.itemsize
         if isinstance(spec, CircularBufferSpec):
             alignment = math.lcm(alignment, spec.block_stride_alignment)
         if page_bytes % alignment:
             raise ValueError(
-                f"layer {name}: a padded block stride of {page_bytes} bytes is not a multiple of its "
-                f"{alignment}-byte alignment"
+                f"layer {name}: a {'scaled' if scaled else 'padded'} block stride of {page_bytes} bytes is not a "
+                f"multiple of its {alignment}-byte alignment"
             )
-        unified[name] = spec
+        unified[name] = spec.with_block_size(spec.block_size * (page_bytes // size)) if scaled else spec
     return UnifiedPages(page_bytes=page_bytes, specs=unified)
 
 
@@ -111,6 +116,31 @@ class KVCaches:
         return {name: layer.kv_cache for name, layer in self.layers.items()}
 
 
+def _backend_name(backend: Any) -> str:
+    """``backend.get_name()``, or its class's name for a backend without one (it only names errors)."""
+    get_name = getattr(backend, "get_name", None)
+    return get_name() if callable(get_name) else getattr(backend, "__name__", type(backend).__name__)
+
+
+def _stride_order(backend: Any, ndim: int) -> tuple[int, ...]:
+    """``backend.get_kv_cache_stride_order()``; the identity for a backend without one, or whose method
+    raises ``NotImplementedError`` (as vLLM's base class does, and as vLLM reads it)."""
+    get_order = getattr(backend, "get_kv_cache_stride_order", None)
+    if not callable(get_order):
+        return tuple(range(ndim))
+    try:
+        return tuple(get_order())
+    except NotImplementedError:
+        return tuple(range(ndim))
+
+
+def _indexes_by_block_stride(backend: Any) -> bool:
+    """``backend.indexes_kv_by_block_stride()`` (a stepops backend's declaration that its blocks may be
+    padded); ``False`` for a backend that does not declare it, whose blocks are then only ever scaled."""
+    declared = getattr(backend, "indexes_kv_by_block_stride", None)
+    return bool(declared()) if callable(declared) else False
+
+
 def _cache_view(
     buffer: torch.Tensor, spec: AttentionSpec, backend: Any, num_blocks: int, page_bytes: int
 ) -> torch.Tensor:
@@ -119,15 +149,17 @@ def _cache_view(
     shape = tuple(
         backend.get_kv_cache_shape(num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size + spec.head_size_v)
     )
-    order = tuple(backend.get_kv_cache_stride_order())
+    if not all(is_int(size) and size >= 1 for size in shape):
+        raise ValueError(f"{_backend_name(backend)}: cache shape {shape} must be positive ints")
+    order = _stride_order(backend, len(shape))
     if order != tuple(range(len(shape))):
         raise ValueError(
-            f"{backend.get_name()}: only identity stride orders are supported (blocks outermost), got {order}"
+            f"{_backend_name(backend)}: only identity stride orders are supported (blocks outermost), got {order}"
         )
     itemsize = spec.dtype.itemsize
     if shape[0] != num_blocks or math.prod(shape[1:]) * itemsize != spec.page_size_bytes:
         raise ValueError(
-            f"{backend.get_name()}: cache shape {shape} is not {num_blocks} blocks of one "
+            f"{_backend_name(backend)}: cache shape {shape} is not {num_blocks} blocks of one "
             f"{spec.page_size_bytes}-byte page"
         )
     inner = [1]
@@ -142,7 +174,9 @@ def allocate_kv_caches(
     """Allocate and bind the cache of every layer in the forward context that has ``get_kv_cache_spec()``.
 
     Asks each such layer (an owner from :mod:`stepops.owners`) for its spec and backend, unifies the page
-    sizes (:func:`unify_page_sizes`, padding allowed where ``backend.indexes_kv_by_block_stride()``),
+    sizes (:func:`unify_page_sizes`, padding allowed where ``backend.indexes_kv_by_block_stride()``; a
+    backend without it, or without ``get_kv_cache_stride_order()``, is read as vLLM reads one: not padded,
+    identity order),
     allocates a zeroed ``uint8 [num_blocks * page_bytes]`` buffer per layer on ``device``, views it as
     ``backend.get_kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size + head_size_v)`` with
     ``stride(0) = page_bytes / itemsize`` and calls the owner's ``bind_kv_cache``. Every view is made, and
@@ -167,9 +201,12 @@ def allocate_kv_caches(
             if not callable(getattr(owner, method, None)):
                 raise TypeError(f"layer {name} has get_kv_cache_spec() but no {method}()")
     backends = {name: owner.get_attn_backend() for name, owner in owners.items()}
+    for name, backend in backends.items():
+        if not callable(getattr(backend, "get_kv_cache_shape", None)):
+            raise TypeError(f"layer {name}: its backend {_backend_name(backend)} has no get_kv_cache_shape()")
     unified = unify_page_sizes(
         {name: owner.get_kv_cache_spec() for name, owner in owners.items()},
-        strided=[name for name, backend in backends.items() if backend.indexes_kv_by_block_stride()],
+        strided=[name for name, backend in backends.items() if _indexes_by_block_stride(backend)],
     )
     page_bytes = unified.page_bytes
     check_int(f"num_blocks * page bytes ({num_blocks} x {page_bytes})", num_blocks * page_bytes, 1)

@@ -99,6 +99,15 @@ def test_circular_buffers_pad_on_whole_rows():
     assert str(info.value) == "layer ring: a padded block stride of 25088 bytes is not a multiple of its 1024-byte alignment"
 
 
+def test_a_scaled_ring_keeps_its_alignment_too():
+    """A 512-byte ring page divides a 1536-byte page, so it was scaled to a 1536-byte block stride, across
+    which its 1024-byte rows are misaligned; padded, the same stride was refused. Both are refused now."""
+    ring = CircularBufferSpec(block_size=1, num_kv_heads=1, head_size=256, head_size_v=0, dtype=BF16, block_stride_alignment=1024)
+    with pytest.raises(ValueError, match="layer ring: a scaled block stride of 1536 bytes is not a multiple of its 1024-byte alignment"):
+        unify_page_sizes({"ring": ring, "big": _full(3, 1, 128)})
+    assert unify_page_sizes({"ring": ring, "big": _full(4, 1, 128)}).specs["ring"].page_size_bytes == 2048
+
+
 def test_padding_keeps_whole_elements():
     odd = FullAttentionSpec(block_size=1, num_kv_heads=1, head_size=2049, head_size_v=0, dtype=torch.float8_e4m3fn)
     with pytest.raises(ValueError, match="block stride of 2049 bytes is not a multiple of its 2-byte alignment"):
@@ -111,8 +120,15 @@ def test_unify_rejects_empty_and_foreign_specs():
     with pytest.raises(TypeError, match="spec of layer x must be an AttentionSpec, got dict"):
         unify_page_sizes({"x": {}})
     # A string is a collection of characters: "layers.1" in "layers.10" let layers.1 be padded.
-    with pytest.raises(TypeError, match="strided must be a collection of layer names, not the string 'layers.10'"):
+    with pytest.raises(TypeError, match="strided must be a collection of layer names, got 'layers.10'"):
         unify_page_sizes({"layers.1": _full(4, 2, 64)}, strided="layers.10")
+    # each passed while no layer needed padding
+    with pytest.raises(TypeError, match="strided must be a collection of layer names, got None"):
+        unify_page_sizes({"layers.1": _full(4, 2, 64)}, strided=None)
+    with pytest.raises(TypeError, match="specs must be a mapping of layer name to AttentionSpec, got list"):
+        unify_page_sizes([_full(4, 2, 64)])  # an AttributeError on .items()
+    with pytest.raises(ValueError, match=r"no layer 'ring' among the unified layers \['attn'\]"):  # a KeyError
+        unify_page_sizes({"attn": _full(4, 2, 64)}).is_padded("ring")
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -260,6 +276,46 @@ def test_allocator_checks_the_backend_shape():
     with pytest.raises(ValueError, match=r"TEST: cache shape"):
         allocate_kv_caches({"first": first, "x": Owner()}, 2)
     assert not hasattr(first, "kv_cache")
+
+
+def test_allocator_reads_a_backend_as_vllm_does_and_names_what_it_lacks():
+    """A vLLM-style backend has no indexes_kv_by_block_stride() and may leave get_kv_cache_stride_order() to
+    the base class, which raises NotImplementedError (vLLM then takes the identity order): an
+    AttributeError and an empty NotImplementedError before. A backend without get_kv_cache_shape() is named
+    with its layer, and a shape of negative sizes whose product fits the page is refused."""
+
+    class VllmLike:
+        shape = None
+
+        @classmethod
+        def get_kv_cache_shape(cls, num_blocks, block_size, num_kv_heads, head_size, cache_dtype_str="auto"):
+            return cls.shape or (num_blocks, block_size, num_kv_heads, head_size)
+
+        @staticmethod
+        def get_kv_cache_stride_order(include_num_layers_dimension=False):
+            raise NotImplementedError
+
+    class Owner:
+        backend = VllmLike
+
+        def get_kv_cache_spec(self):
+            return _full(16, 1, 64)
+
+        def get_attn_backend(self):
+            return self.backend
+
+        def bind_kv_cache(self, kv_cache):
+            self.kv_cache = kv_cache
+
+    owner = Owner()
+    allocate_kv_caches({"x": owner}, 2)
+    assert owner.kv_cache.shape == (2, 16, 1, 128) and owner.kv_cache.is_contiguous()  # K and V packed
+    VllmLike.shape = (2, -16, 1, -128)  # -> as_strided's "Negative strides are not supported"
+    with pytest.raises(ValueError, match=r"VllmLike: cache shape \(2, -16, 1, -128\) must be positive ints"):
+        allocate_kv_caches({"x": Owner()}, 2)
+    Owner.backend = object()
+    with pytest.raises(TypeError, match="layer x: its backend object has no get_kv_cache_shape"):
+        allocate_kv_caches({"x": Owner()}, 2)
 
 
 def test_a_view_an_owner_refuses_leaves_every_layer_with_the_cache_it_had():

@@ -195,12 +195,14 @@ def test_ring_spec_needs_its_main_layer():
         ring.get_kv_cache_spec()
 
 
-def test_ring_rejects_bad_speculative_tokens_before_registering():
+def test_ring_rejects_bad_arguments_before_registering():
     context = {}
     with pytest.raises(ValueError, match="num_speculative_tokens must be >= 0, got -1"):
         _ring(context, k=-1)
     with pytest.raises(TypeError, match="num_speculative_tokens must be an int"):
         _ring(context, k=1.0)
+    with pytest.raises(TypeError, match=r"main_layer_name must be a layer name \(str\), got list"):
+        _ring(context, main=["layers.0.attn"])  # failed at allocation: "unhashable type: 'list'"
     assert context == {}
 
 

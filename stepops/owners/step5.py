@@ -96,6 +96,8 @@ class Step5CSATailRing(nn.Module):
         super().__init__()
         # Checked before registering, by the check CSATailRingLayout runs later (one implementation, same text).
         check_int("num_speculative_tokens", num_speculative_tokens, 0)
+        if not isinstance(main_layer_name, str):  # a list failed at allocation as "unhashable type"
+            raise TypeError(f"main_layer_name must be a layer name (str), got {type(main_layer_name).__name__}")
         register_layer(prefix, self, static_forward_context)
         self._static_forward_context = static_forward_context
         self.layer_name = prefix
