@@ -209,7 +209,12 @@ def test_step5_page_bytes_without_block_size_advises_no_block_size(capsys):
         "smallest block size that fits at 640 B per token: 32 (page 20480 B, capacity 20 rows)"
     )
     assert main(["layout", "step5", "--page-bytes", "65536"]) == 0
-    assert _row(capsys.readouterr().out, "smallest block size").startswith("n/a (per-token size unknown")
+    out = capsys.readouterr().out
+    assert _row(out, "smallest block size").startswith("n/a (per-token size unknown")
+    # were the default block size 64 and the head_size it gives (512), describing no layer of the user's
+    assert _row(out, "block size") == "not given"
+    assert _row(out, "ring spec head_size").startswith("n/a")
+    assert _row(out, "ring capacity").startswith("64 rows")  # the page alone decides the ring
 
 
 def test_step5_page_bytes_too_small_names_page_bytes_and_prints_no_block_size_line(capsys):

@@ -172,17 +172,21 @@ def _run_step5(args: argparse.Namespace) -> int:
     smallest = "n/a (per-token size unknown: give --block-size with --page-bytes)"
     if per_token is not None:
         smallest = _smallest_block_size(per_token, k)
+    # A given page without its block size: the default block size describes no layer of the user's.
+    block_size_row, head_size_row = f"{layout.block_size}", f"{layout.head_size} bf16 per token (1 KV head)"
+    if args.page_bytes is not None and args.block_size is None:
+        block_size_row, head_size_row = "not given", "n/a (page bytes / (2 x block size): give --block-size)"
     _print_table(
         "Step5 CSA tail ring",
         [
             ("main attention layer", main),
-            ("block size", f"{layout.block_size}"),
+            ("block size", block_size_row),
             ("KV page", f"{layout.page_bytes} B"),
             ("speculative tokens k", f"{k}"),
             ("required rows (7 + k)", f"{layout.required_rows} of {layout.row_bytes} B"),
             ("ring capacity", f"{layout.capacity} rows (position p -> row p % {layout.capacity})"),
             ("rows_per_block", f"{layout.capacity} unpadded; block stride / {layout.row_elements} if strided wider"),
-            ("ring spec head_size", f"{layout.head_size} bf16 per token (1 KV head)"),
+            ("ring spec head_size", head_size_row),
             ("smallest block size", f"{smallest}; candidates: multiples of 16"),
         ],
     )
