@@ -281,7 +281,7 @@ def test_ring_bind_rejects_bad_caches_with_value_errors():
     _main_layer(context)
     ring = _ring(context, k=2)
     buffer = torch.zeros(4 * 16 * 512, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="block stride 8448 is not a whole number of 512-element rows"):
+    with pytest.raises(ValueError, match="^Step5 CSA tail ring layers.0.ring: .*block stride 8448 is not a whole number of 512-element rows"):
         ring.bind_kv_cache(buffer.as_strided((3, 16, 1, 512), (16 * 512 + 256, 512, 512, 1)))
     with pytest.raises(ValueError, match="blocks overlap"):
         ring.bind_kv_cache(buffer.as_strided((3, 16, 1, 512), (8 * 512, 512, 512, 1)))
@@ -518,7 +518,7 @@ def test_conv_state_bind_reads_n_from_the_cache():
     assert conv.kv_cache is cache
     assert conv.block_size == 4  # the declared block; the bound N is the cache's
     assert conv.metadata_builder().block_size == 32
-    with pytest.raises(ValueError, match="block size 2 is smaller than the kernel size 4"):
+    with pytest.raises(ValueError, match="^Inkling conv state layers.0.sconv: sconv SWA cache block size 2 is smaller than the kernel size 4"):
         conv.bind_kv_cache(torch.zeros(3, 4, 2, 128, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match=r"must have H = 4 and D = 128"):
         conv.bind_kv_cache(torch.zeros(3, 4, 4, 64, dtype=torch.bfloat16))

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from stepops.layouts import InklingConvStateLayout, InklingStream
+from stepops.layouts import BoundInklingConvState, InklingConvStateLayout, InklingStream
 from stepops.ops.sconv import SconvMetadata, build_sconv_metadata, sconv
 from stepops.owners._context import BlockStridedBackend, register_layer
 from stepops.specs import SlidingWindowSpec
@@ -130,11 +130,19 @@ class InklingConvState(nn.Module):
 
     def bind_kv_cache(self, kv_cache: torch.Tensor) -> None:
         """Bind ``[num_blocks, H, N, D]`` bf16 (``N >= kernel_size``, blocks contiguous, stride(0) free)."""
-        self.kv_cache = self.layout.bind(kv_cache).kv_cache
+        self.kv_cache = self._bound(kv_cache).kv_cache
 
     def check_kv_cache(self, kv_cache: torch.Tensor) -> None:
         """Raise what :meth:`bind_kv_cache` raises for ``kv_cache``, binding nothing."""
-        self.layout.bind(kv_cache)
+        self._bound(kv_cache)
+
+    def _bound(self, kv_cache: torch.Tensor) -> BoundInklingConvState:
+        """The layout's bind, its errors naming this layer (the layout knows no layer: in a deep model
+        "sconv SWA cache block size 2 ..." left the caller to find which)."""
+        try:
+            return self.layout.bind(kv_cache)
+        except (TypeError, ValueError) as error:
+            raise type(error)(f"Inkling conv state {self.prefix}: {error}") from None
 
     def metadata_builder(self) -> InklingSconvMetadataBuilder:
         """A builder for this bound cache's metadata (it carries the bound ``N``)."""

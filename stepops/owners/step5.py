@@ -189,7 +189,10 @@ class Step5CSATailRing(nn.Module):
         layout = CSATailRingLayout(
             page_bytes=page_bytes, block_size=1, num_speculative_tokens=self.num_speculative_tokens
         )
-        return layout.bind(kv_cache)
+        try:
+            return layout.bind(kv_cache)
+        except ValueError as error:  # the layout knows no layer
+            raise ValueError(f"Step5 CSA tail ring {self.layer_name}: {error}") from None
 
     def metadata_builder(self, summary_block_size: int) -> Step5CSATailRingMetadataBuilder:
         """A builder for this bound ring's metadata (it carries ``rows_per_block``)."""
