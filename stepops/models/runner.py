@@ -88,7 +88,9 @@ def _token_list(what: str, ids: object) -> list[int]:
     return [int(i) for i in ids]
 
 
-def _proposed(draft: Callable[[int, list[int]], Sequence[int]], i: int, tokens: list[int], vocab_size: int) -> list[int]:
+def _proposed(
+    draft: Callable[[int, list[int]], Sequence[int]], i: int, tokens: list[int], vocab_size: int
+) -> list[int]:
     """``draft(i, tokens)`` as a checked list of token ids (``TypeError``/``ValueError`` naming the draft)."""
     what = f"draft({i}, tokens) for prompt {i}"
     proposal = _token_list(what, draft(i, list(tokens)))

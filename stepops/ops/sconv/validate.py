@@ -91,7 +91,8 @@ def _slot_mismatch(t, slot, expected, block_size, table, request, slot_mapping, 
     metadata were built for when one other ``N`` (up to ``_MAX_BLOCK_SIZE_TRIED``) explains every slot
     stored so far (the common mistake), else the token. Only tokens ``0..t`` are read: the validator has
     checked their requests and positions, not those of later tokens."""
-    stored = [(r, s, p) for r, s, p in zip(request[: t + 1], slot_mapping[: t + 1], position[: t + 1]) if r >= 0 and s >= 0]
+    checked = zip(request[: t + 1], slot_mapping[: t + 1], position[: t + 1])
+    stored = [(r, s, p) for r, s, p in checked if r >= 0 and s >= 0]
 
     def explains(n: int, tokens) -> bool:
         return all(
