@@ -549,16 +549,12 @@ class StepRunner:
         if isinstance(stop_tokens, torch.Tensor):
             stop_tokens = stop_tokens.tolist()  # 0-d: one id; n-d: nested lists, refused below
         if _is_token_id(stop_tokens):  # one id, as transformers' eos_token_id takes it
-            ids = [stop_tokens]
-        elif isinstance(stop_tokens, Iterable) and not isinstance(stop_tokens, (str, bytes)):
-            ids = list(stop_tokens)
-        else:
+            stop_tokens = [stop_tokens]
+        elif not isinstance(stop_tokens, Iterable) or isinstance(stop_tokens, (str, bytes)):
             raise TypeError(f"stop_tokens must be a token id or a sequence of them, got {type(stop_tokens).__name__}")
-        not_ids = [t for t in ids if not _is_token_id(t)]
-        if not_ids:
-            raise TypeError(f"stop_tokens: token ids must be integers, got {type(not_ids[0]).__name__}")
+        ids = _token_list("stop_tokens", stop_tokens)
         check_ids_in_range("stop_tokens", ids, config.output_vocab_size, "the ids the model can emit")
-        return frozenset(int(t) for t in ids)
+        return frozenset(ids)
 
     def warm_up(self, progress: Callable[[str], None] | None = None) -> None:
         """Compile (or capture) every capture size with padding-only steps, which write nothing."""
