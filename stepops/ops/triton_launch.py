@@ -51,19 +51,21 @@ def next_power_of_2(n: int) -> int:
     return 1 << (n - 1).bit_length() if n > 0 else 0
 
 
-def check_tile_fits(op: str, rows: int, columns: int, **sizes: int) -> None:
-    """``NotImplementedError`` unless a ``[rows, columns]`` tile fits one Triton tensor
-    (``triton.language.TRITON_MAX_TENSOR_NUMEL`` elements, 2**20 on Triton 3.6-3.9). A kernel that holds a
-    token's whole row in one program cannot be built past it (Triton's compile error names no argument);
-    ``sizes`` are the argument sizes that set the tile, for the message. The PyTorch kernels have no such
-    limit."""
-    if rows * columns > tl.TRITON_MAX_TENSOR_NUMEL:
-        named = ", ".join(f"{name} = {size}" for name, size in sizes.items())
-        raise NotImplementedError(
-            f"{op}: {named} needs a [{rows}, {columns}] tile per program, more than the "
-            f"{tl.TRITON_MAX_TENSOR_NUMEL} elements a Triton tensor may hold: not implemented in the Triton "
-            "kernel (the PyTorch kernel, the op's CPU path, runs it)"
-        )
+# The most elements one Triton tensor may hold (2**20 on Triton 3.6-3.9): a kernel that keeps a token's whole
+# row in one program cannot be built past it, and Triton's compile error names no argument.
+MAX_TILE_NUMEL = tl.TRITON_MAX_TENSOR_NUMEL
+
+
+def tile_too_large(op: str, rows: int, columns: int, **sizes: int) -> NotImplementedError:
+    """The error for a ``[rows, columns]`` tile past :data:`MAX_TILE_NUMEL`; ``sizes`` are the argument sizes
+    that set it. A launcher compares first (``rows * columns > MAX_TILE_NUMEL``) and builds this only to
+    raise it: the comparison is all a launch pays. The PyTorch kernels have no such limit."""
+    named = ", ".join(f"{name} = {size}" for name, size in sizes.items())
+    return NotImplementedError(
+        f"{op}: {named} needs a [{rows}, {columns}] tile per program, more than the {MAX_TILE_NUMEL} elements "
+        "a Triton tensor may hold: not implemented in the Triton kernel (the PyTorch kernel, the op's CPU path, "
+        "runs it)"
+    )
 
 
 class CachedLaunch:

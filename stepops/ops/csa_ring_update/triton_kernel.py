@@ -38,7 +38,7 @@ from stepops import layouts
 from stepops._meta import csa_ring_update as _meta
 from stepops.ops.csa_ring_update import torch_kernel as _spec
 from stepops.ops.triton_bounds import bad_id, count_error, in_extent
-from stepops.ops.triton_launch import CachedLaunch, check_tile_fits, next_power_of_2
+from stepops.ops.triton_launch import MAX_TILE_NUMEL, CachedLaunch, next_power_of_2, tile_too_large
 from stepops.ops.triton_rounding import fp8_e4m3_code, round_fp32_to_bf16
 
 # Positions per CSA region (the closing token replays the REGION_SIZE - 1 before it).
@@ -331,7 +331,8 @@ def csa_ring_update_triton(
     )
     num_tokens, proxy_dim = index_k.shape
     block_p = max(next_power_of_2(proxy_dim), 1)  # P = 0: one masked lane, as the PyTorch kernel runs
-    check_tile_fits("csa_ring_update", layouts.REGION_SIZE, block_p, P=proxy_dim)  # the deferred rows
+    if layouts.REGION_SIZE * block_p > MAX_TILE_NUMEL:  # the deferred rows' tile
+        raise tile_too_large("csa_ring_update", layouts.REGION_SIZE, block_p, P=proxy_dim)
     if num_tokens == 0:
         return
     # The kernel reads token t's metadata at `pointer + t`: strided [T] views become contiguous copies,

@@ -14,7 +14,7 @@ import triton.language as tl
 from stepops._meta.paged_kv_write import check_paged_kv_write_args
 from stepops.ops.paged_kv_write.torch_kernel import as_bits
 from stepops.ops.triton_bounds import bad_id, count_error, in_extent
-from stepops.ops.triton_launch import CachedLaunch, check_tile_fits, next_power_of_2
+from stepops.ops.triton_launch import MAX_TILE_NUMEL, CachedLaunch, next_power_of_2, tile_too_large
 
 
 @triton.jit
@@ -94,7 +94,9 @@ def paged_kv_write_triton(
     block_h = max(next_power_of_2(num_heads), 1)
     block_d = max(next_power_of_2(head_size), 1)
     block_dv = max(next_power_of_2(head_size_v), 1)
-    check_tile_fits("paged_kv_write", block_h, max(block_d, block_dv), H=num_heads, D=head_size, Dv=head_size_v)
+    tile_width = max(block_d, block_dv)
+    if block_h * tile_width > MAX_TILE_NUMEL:
+        raise tile_too_large("paged_kv_write", block_h, tile_width, H=num_heads, D=head_size, Dv=head_size_v)
     if num_tokens == 0:
         return
     # The kernel reads slot t at `slot_mapping + t`: a strided [T] view (e.g. a column of a [T, k] table)
