@@ -249,6 +249,26 @@ def test_a_spec_asked_again_after_binding_leaves_the_bound_ring_alone():
     assert written == [0], "position 16 is row 16 % 16 of block 0's ring (capacity 18 made it row 16, block 1's)"
 
 
+def test_ring_update_validates_metadata_against_its_own_block_stride():
+    """Metadata built for 16-row blocks on a ring whose blocks are 24 rows apart: block 1's ring would start
+    at row 16, inside block 0, and its 16 rows run into block 1's ring. One base alone shows no stride, so
+    only the bound ring's rows_per_block (the owner passes it) catches it; nothing is written."""
+    context = {}
+    _main_layer(context)
+    ring = _ring(context, k=0)
+    buffer = torch.full((3 * 24 * 512,), -7.0, dtype=torch.bfloat16)
+    ring.bind_kv_cache(buffer.as_strided((3, 16, 1, 512), (24 * 512, 512, 512, 1)))
+    assert (ring.capacity, ring.rows_per_block) == (16, 24)
+    metadata = Step5CSATailRingMetadataBuilder(16, 4).build(
+        torch.tensor([0, 1], dtype=torch.int32), torch.tensor([5], dtype=torch.int32),
+        torch.tensor([1], dtype=torch.int32), torch.zeros(1, 8, dtype=torch.int32), 1,
+    )  # fmt: skip
+    rows = torch.ones(1, 256, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="ring_base 16 is not a multiple of rows_per_block 24"):
+        ring.update(rows, rows, torch.zeros(16, 256, dtype=torch.bfloat16), metadata, validate=True)
+    assert bool((buffer == -7.0).all())
+
+
 @pytest.mark.parametrize("main", ["layers.0.ring", "layers.0.other_ring"], ids=["itself", "another_ring"])
 def test_a_ring_whose_main_layer_is_a_ring_is_a_value_error(main):
     """Before: RecursionError (the ring asked itself, or two rings asked each other, for their specs)."""

@@ -229,5 +229,6 @@ class Step5CSATailRing(nn.Module):
         if self.rows_per_block == 0:
             raise ValueError(f"Step5 CSA tail ring {self.layer_name} has no cache bound yet")
         csa_ring_update(
-            index_k, index_z, self.rows, summary_cache, metadata, self.capacity, errors=errors, validate=validate
-        )
+            index_k, index_z, self.rows, summary_cache, metadata, self.capacity,
+            errors=errors, validate=validate, rows_per_block=self.rows_per_block,
+        )  # fmt: skip

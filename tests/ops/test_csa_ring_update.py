@@ -420,6 +420,24 @@ def test_the_host_validator_itself_rejects_each_case(name):
             validate_csa_ring_update_inputs(step.index_k, step.index_z, step.ring, step.summary_cache, metadata, 10)
 
 
+def test_validate_given_rows_per_block_keeps_every_ring_inside_its_own_block():
+    """The step's two rings in 10-row blocks, moved to rows 15 and 30: they stay disjoint and
+    their gcd (15) is not below capacity, so without the ring's rows_per_block the validator passes them,
+    while the ring at row 15 runs into block 2, a request's outside this step; with it, named."""
+    step, _ = _valid_args()
+    args = (step.index_k, step.index_z, step.ring, step.summary_cache)
+    validate_csa_ring_update_inputs(*args, step.metadata, 10, rows_per_block=10)
+    with pytest.raises(ValueError, match="capacity 10 exceeds rows_per_block 8: every ring runs into"):
+        validate_csa_ring_update_inputs(*args, step.metadata, 10, rows_per_block=8)
+    base = step.metadata.ring_base
+    off_grid = step.metadata._replace(ring_base=torch.where(base < 0, base, torch.tensor([15] * 3 + [30] * 10)).int())
+    validate_csa_ring_update_inputs(*args, off_grid, 10)
+    with pytest.raises(ValueError, match="ring_base 15 is not a multiple of rows_per_block 10: .* inside block 1"):
+        csa_ring_update(*args, off_grid, 10, validate=True, rows_per_block=10)
+    with pytest.raises(TypeError, match="rows_per_block must be an int"):
+        csa_ring_update(*args, step.metadata, 10, validate=True, rows_per_block=10.0)
+
+
 def test_validate_reports_its_own_message_under_torch_compile():
     """validate=True runs outside the graph (torch.compiler.disable): its own message under torch.compile,
     not Dynamo's data-dependent guard error."""

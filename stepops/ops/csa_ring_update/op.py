@@ -37,6 +37,7 @@ def csa_ring_update(
     *,
     errors: torch.Tensor | None = None,
     validate: bool = False,
+    rows_per_block: int | None = None,
 ) -> None:
     """Store a step's ``[index_k | index_z]`` rows in the requests' rings and write closed regions' summaries.
 
@@ -62,7 +63,9 @@ def csa_ring_update(
         ``None``. One launch; CUDA-graph safe when ``validate`` is off.
 
     ``validate=True`` first runs :func:`validate_csa_ring_update_inputs` on the host (chunks, disjoint
-    rings, rows and slots in range). Syncs; for debugging only.
+    rings, rows and slots in range). Syncs; for debugging only. ``rows_per_block``, the ring's block stride
+    (``BoundCSATailRing.rows_per_block``), is read only by that check: with it, every ring must lie inside
+    its own block (a ring of a request outside the step may start at the next block).
 
     Example (the full one is in ``docs/ops.md``)::
 
@@ -86,7 +89,7 @@ def csa_ring_update(
         bools=(("validate", validate),),
     )  # fmt: skip
     if validate:
-        validate_csa_ring_update_inputs(index_k, index_z, ring, summary_cache, metadata, capacity)
+        validate_csa_ring_update_inputs(index_k, index_z, ring, summary_cache, metadata, capacity, rows_per_block)
     # An fp8 cache goes to the op as it is, never as a uint8 view: compiled, a dtype view of a graph input
     # that the op writes is copied back whole, and torch 2.11's Inductor copies it back as values, changing
     # every byte of the cache (tests/ops/test_csa_ring_update.py, test_compiled_wrapper_matches_eager_in_place).

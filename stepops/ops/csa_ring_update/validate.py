@@ -9,6 +9,7 @@ import torch
 from stepops._meta.csa_ring_update import check_csa_ring_update_args
 from stepops.ops.bounds import check_ids
 from stepops.ops.csa_ring_update.metadata import CSARingMetadata
+from stepops.specs import check_int
 
 
 @torch.compiler.disable  # a host sync: under torch.compile it runs eagerly and raises its own errors
@@ -19,6 +20,7 @@ def validate_csa_ring_update_inputs(
     summary_cache: torch.Tensor,
     metadata: CSARingMetadata,
     capacity: int,
+    rows_per_block: int | None = None,
 ) -> None:
     """Host-side data checks of a csa_ring_update call (see :func:`csa_ring_update`); raises ``ValueError``.
 
@@ -27,11 +29,14 @@ def validate_csa_ring_update_inputs(
     chunk_start + chunk_len <= T``; the tokens of a chunk are exactly those rows, agree on ``chunk_len``
     and ``ring_base`` and have consecutive positions; every ring ``[ring_base, ring_base + capacity)`` lies
     inside ``ring`` and the rings of different requests are disjoint (bases at least ``capacity`` apart);
-    summary slots are -1 or in range and distinct; ``capacity`` is at most the ``rows_per_block`` the
-    bases were built with (seen from their gcd); padding carries -1 everywhere, and a real token's position
-    is not negative (``seq_lens`` shorter than the step) nor behind the token before it. These rule out
-    races between the Triton kernel's programs: a program reads and writes only its own request's ring rows
-    and step rows, and no two write one row.
+    summary slots are -1 or in range and distinct; padding carries -1 everywhere, and a real token's position
+    is not negative (``seq_lens`` shorter than the step) nor behind the token before it. Each ring lies
+    inside its own block: given the ring's ``rows_per_block``, every base is a multiple of it and
+    ``capacity <= rows_per_block``; without it, only what the bases show (their gcd is a multiple of the
+    ``rows_per_block`` they were built with: ``capacity`` above the gcd is caught, a base off the block
+    grid is not). These rule out races between the Triton kernel's programs and writes outside the
+    requests' own rows: a program reads and writes only its own request's ring rows and step rows, and no
+    two write one row.
     """
     check_csa_ring_update_args(index_k, index_z, ring, summary_cache, *metadata, capacity)
     position, chunk_start, chunk_len, ring_base, summary_slot = (m.long().cpu() for m in metadata)
@@ -117,16 +122,38 @@ def validate_csa_ring_update_inputs(
             f"csa_ring_update: the rings at ring_base {int(bases[i])} and {int(bases[i + 1])} of two requests "
             f"overlap (capacity {capacity}): rings of different requests must be disjoint"
         )
-    # Bases are ring_block * rows_per_block, so their gcd is a multiple of rows_per_block: one below
-    # capacity means capacity > rows_per_block, and every ring runs into the next block's ring.
-    stride = math.gcd(*ring_base[real].tolist())
-    if 0 < stride < capacity:
-        raise ValueError(
-            f"csa_ring_update: capacity {capacity} exceeds rows_per_block: every ring_base is a multiple of "
-            f"{stride} rows, so a ring of {capacity} rows runs into the next block's ring; capacity must be "
-            "<= the rows_per_block the metadata were built with"
-        )
+    if rows_per_block is None:
+        # Bases are ring_block * rows_per_block, so their gcd is a multiple of rows_per_block: one below
+        # capacity means capacity > rows_per_block, and every ring runs into the next block's ring.
+        stride = math.gcd(*ring_base[real].tolist())
+        if 0 < stride < capacity:
+            raise ValueError(
+                f"csa_ring_update: capacity {capacity} exceeds rows_per_block: every ring_base is a multiple of "
+                f"{stride} rows, so a ring of {capacity} rows runs into the next block's ring; capacity must be "
+                "<= the rows_per_block the metadata were built with"
+            )
+    else:
+        _check_inside_blocks(ring_base[real], capacity, rows_per_block)
     check_ids("csa_ring_update", "token_summary_slot", summary_slot, summary_cache.shape[0])
     slot = summary_slot[summary_slot >= 0]
     if slot.unique().numel() != slot.numel():
         raise ValueError("csa_ring_update: two tokens write the same summary_slot")
+
+
+def _check_inside_blocks(ring_base: torch.Tensor, capacity: int, rows_per_block: int) -> None:
+    """Every ring ``[base, base + capacity)`` inside one block of ``rows_per_block`` rows: the ring of a
+    request outside the step may start in the next block, so disjoint bases alone do not keep them apart."""
+    check_int("csa_ring_update: rows_per_block", rows_per_block, 1)
+    if capacity > rows_per_block:
+        raise ValueError(
+            f"csa_ring_update: capacity {capacity} exceeds rows_per_block {rows_per_block}: every ring runs into "
+            "the next block's ring"
+        )
+    off_grid = ring_base % rows_per_block != 0
+    if bool(off_grid.any()):
+        base = int(ring_base[off_grid][0])
+        raise ValueError(
+            f"csa_ring_update: ring_base {base} is not a multiple of rows_per_block {rows_per_block}: its ring "
+            f"starts inside block {base // rows_per_block} and may run into the next block's; build the "
+            "metadata with the ring's rows_per_block"
+        )
