@@ -80,7 +80,7 @@ class Step5CSATailRing(nn.Module):
     shares the page size of the other KV cache groups.
 
     After :meth:`bind_kv_cache`: ``capacity`` rows per ring, ``rows_per_block`` rows between the starts of
-    consecutive blocks (``> capacity`` when the page is padded) and ``rows``, the 2-D
+    consecutive blocks (``> capacity`` when the page is padded, but for one block) and ``rows``, the 2-D
     ``[(num_blocks - 1) * rows_per_block + capacity, 512]`` bf16 view; block ``b``'s ring is rows
     ``[b * rows_per_block, + capacity)``.
     """
