@@ -17,6 +17,7 @@ parameter the checkpoint lacks, is a ``ValueError`` listing them all.
 
 from __future__ import annotations
 
+import math
 import re
 import warnings
 from collections.abc import Mapping, Sequence
@@ -205,8 +206,8 @@ def step5_config_from_reference(config: Mapping[str, Any], *, num_speculative_to
 
     ``ValueError`` naming the key for a missing geometry key, a layer type or rope setting without a mapping
     (values that vary within a layer kind, llama3 scaling on sliding layers, another scaling type), a
-    non-positive SwiGLU limit, and a setting the model fixes (``sparse_config.region_block_size`` 8 ...) set to
-    another value."""
+    non-positive SwiGLU limit that a layer reads, and a setting the model fixes
+    (``sparse_config.region_block_size`` 8 ...) set to another value."""
     c = dict(config)
     sparse = dict(c.get("sparse_config") or {})
     for where, key, value in _FIXED:
@@ -219,6 +220,7 @@ def step5_config_from_reference(config: Mapping[str, Any], *, num_speculative_to
         total = num_layers + _num_mtp_layers(c)
         kinds = _layer_kinds(c.get("layer_types") or ["full_attention"] * total, num_layers, total, sparse)
         theta, rotary, scaling = _rope_by_kind(c, kinds, total)
+        moe_layers = tuple(i for i in c.get("moe_layer_list") or () if i < num_layers) if c.get("use_moe", True) else ()
         heads = dict(num_heads=c["num_attention_heads"], num_kv_heads=c["num_attention_groups"])
         if CSA in kinds:
             if sparse.get("num_provider_groups", 4) != heads["num_kv_heads"]:
@@ -240,9 +242,9 @@ def step5_config_from_reference(config: Mapping[str, Any], *, num_speculative_to
             **theta,
             **rotary,
             csa_rope_scaling=scaling,
-            swiglu_limit=_swiglu_limits(c, "swiglu_limits", num_layers),
-            swiglu_limit_shared=_swiglu_limits(c, "swiglu_limits_shared", num_layers),
-            moe_layers=tuple(i for i in c.get("moe_layer_list") or () if i < num_layers) if c.get("use_moe", True) else (),
+            swiglu_limit=_swiglu_limits(c, "swiglu_limits", range(num_layers), num_layers),
+            swiglu_limit_shared=_swiglu_limits(c, "swiglu_limits_shared", moe_layers, num_layers),
+            moe_layers=moe_layers,
             moe_num_experts=c["moe_num_experts"],
             moe_top_k=c["moe_top_k"],
             moe_intermediate_size=c["moe_intermediate_size"],
@@ -325,19 +327,22 @@ def _rope_by_kind(c: Mapping[str, Any], kinds: tuple[str, ...], total: int) -> t
     )  # fmt: skip
 
 
-def _swiglu_limits(c: Mapping[str, Any], key: str, num_layers: int) -> float | tuple[float, ...]:
+def _swiglu_limits(
+    c: Mapping[str, Any], key: str, read_by: Sequence[int], num_layers: int
+) -> float | tuple[float, ...]:
     """The main stack's limits of ``swiglu_limits`` or ``swiglu_limits_shared``: 7.0 for every layer when the
-    list is empty (as the reference), else one per layer; a limit <= 0 has no Step5 reading."""
+    list is empty (as the reference), else one per layer. Only the layers in ``read_by`` read theirs (every
+    layer's FFN the first, a MoE layer's shared expert the second); there a limit <= 0 has no Step5 reading,
+    elsewhere the entry is unread (``math.inf``)."""
     limits = c.get(key) or []
     if not limits:
         return _DEFAULT_SWIGLU_LIMIT
     if len(limits) < num_layers:
         raise ValueError(f"{key} has {len(limits)} entries for {num_layers} layers")
-    main = tuple(limits[:num_layers])
-    bad = [(i, x) for i, x in enumerate(main) if not (isinstance(x, (int, float)) and x > 0)]
+    bad = [(i, limits[i]) for i in read_by if not (isinstance(limits[i], (int, float)) and limits[i] > 0)]
     if bad:
         raise ValueError(
             f"{key}: layer {bad[0][0]} has {bad[0][1]!r}; Step-4's reference clamps to 0 there (the FFN's output "
             "is 0) and Step-3.5's readers skip the clamp. Edit the config to the limit you mean (math.inf: none)"
         )
-    return tuple(float(x) for x in main)
+    return tuple(float(limits[i]) if i in read_by else math.inf for i in range(num_layers))

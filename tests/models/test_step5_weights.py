@@ -3,6 +3,7 @@ config's checks and the released model's numbers."""
 
 import dataclasses
 import json
+import math
 
 import pytest
 import torch
@@ -386,17 +387,20 @@ def test_the_released_config_reads_as_step5_reference():
         sparse_config={"proxy_dim": 256, "sparse_indexer_rope_dim": 32, "sparse_indexer_num_heads": 16,
                        "num_provider_groups": 4, "topk": 512, "region_block_size": 8},
     )  # fmt: skip
-    per_layer_7 = dict(swiglu_limit=(7.0,) * 92, swiglu_limit_shared=(7.0,) * 92)
+    # A dense layer has no shared expert: its swiglu_limits_shared entry is unread (inf).
+    shared = tuple(7.0 if i in range(3, 91) else math.inf for i in range(92))
+    per_layer_7 = dict(swiglu_limit=(7.0,) * 92, swiglu_limit_shared=shared)
     assert step5_config_from_reference(release) == dataclasses.replace(STEP5_REFERENCE, **per_layer_7)
 
 
 def test_a_config_reads_per_layer_settings_as_the_reference():
     """The main stack's entries of the per-layer lists (the MTP layer's last entry is not read), MoE layers of
     the main stack, the flags, the end-of-sequence ids, and a CSA stack's sliding_window left alone; empty limit
-    lists are 7.0, no eos_token_id is [1, 2]."""
+    lists are 7.0, no eos_token_id is [1, 2]. A dense layer's shared limit is unread (inf), even a 0 that a MoE
+    layer would refuse."""
     types = ["sliding_attention", "full_attention", "full_attention"]
     reference = _reference_config(
-        types, swiglu_limits=[0.5, 3.0, 9.0], swiglu_limits_shared=[2.0, 1.5, 9.0], moe_layer_list=[0, 2],
+        types, swiglu_limits=[0.5, 3.0, 9.0], swiglu_limits_shared=[2.0, 0, 9.0], moe_layer_list=[0, 2],
         norm_expert_weight=False, use_head_wise_attn_gate=False, rope_theta=[2e4, 1e6, 1e6],
         partial_rotary_factors=[1.0, 0.5, 0.25], vocab_size=96, eos_token_id=[7, 95],
     )  # fmt: skip
@@ -404,7 +408,7 @@ def test_a_config_reads_per_layer_settings_as_the_reference():
         hidden_size=64, vocab_size=96, num_heads=4, num_kv_heads=2, head_dim=48, intermediate_size=128, sliding_window=24,
         index_num_heads=8, index_rope_dim=32, index_top_k=3, num_speculative_tokens=2, rms_norm_eps=1e-6,
         sliding_rope_theta=2e4, csa_rope_theta=1e6, csa_partial_rotary_factor=0.5, csa_rope_scaling=None,
-        swiglu_limit=(0.5, 3.0), swiglu_limit_shared=(2.0, 1.5), moe_layers=(0,), moe_renormalize=False,
+        swiglu_limit=(0.5, 3.0), swiglu_limit_shared=(2.0, math.inf), moe_layers=(0,), moe_renormalize=False,
         head_wise_attn_gate=False, layer_types=(SLIDING, CSA), eos_token_ids=(7, 95),
     )  # fmt: skip
     assert step5_config_from_reference(reference, num_speculative_tokens=2) == want
@@ -444,6 +448,7 @@ _TYPES = ["sliding_attention", "full_attention", "full_attention"]
          r"rope_scaling of type 'yarn' is not supported"),
         ({"swiglu_limits": [1.0, 0, 1.0]}, r"swiglu_limits: layer 1 has 0; Step-4's reference clamps to 0"),
         ({"swiglu_limits_shared": [1.0]}, r"swiglu_limits_shared has 1 entries for 2 layers"),
+        ({"swiglu_limits_shared": [0, 1.0, 1.0]}, r"swiglu_limits_shared: layer 0 has 0"),  # layer 0 is MoE
         ({"hidden_size": None}, r"hidden_size must be an int"),
         ({"num_hidden_layers": "2"}, r"num_hidden_layers must be an int, got str"),
     ],
