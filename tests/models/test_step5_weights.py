@@ -461,6 +461,15 @@ def test_configs_without_a_step5_reading_are_refused_by_key(overrides, match):
         step5_config_from_reference(reference)
 
 
+def test_keys_the_reference_model_does_not_read_are_ignored_as_it_ignores_them():
+    """docs/models.md: StepFun's Step4Config stores these, its model never reads them (norms are fp32 and the
+    head untied whatever they say; max_position_embeddings only sizes its rope tables)."""
+    reference = _reference_config(_TYPES)
+    unread = dict(norm_dtype="bfloat16", tie_word_embeddings=True, bos_token_id=5, max_position_embeddings=8,
+                  quantization_config={"modules_to_not_convert": ["model.layers.0.moe"]})  # fmt: skip
+    assert step5_config_from_reference({**reference, **unread}) == step5_config_from_reference(reference)
+
+
 def test_a_config_missing_a_geometry_key_names_it():
     reference = _reference_config(_TYPES)
     del reference["head_dim"]
