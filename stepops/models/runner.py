@@ -369,13 +369,14 @@ class StepRunner:
         vocab = self.model.config.vocab_size
         if ids.device.type != "cpu" or ids.numel() == 0:
             return
-        low, high = (int(v) for v in torch.aminmax(ids))
+        # int64 first: aminmax has no uint16/32/64 kernel (a uint64 id past int64 wraps negative: refused).
+        low, high = (int(v) for v in torch.aminmax(ids.long()))
         if 0 <= low and high < vocab:
             return
         for s, request_ids in zip(batch, requests_ids):  # a bad step: find its request
             if request_ids.numel() == 0:
                 continue
-            low, high = (int(v) for v in torch.aminmax(request_ids))
+            low, high = (int(v) for v in torch.aminmax(request_ids.long()))
             if not (0 <= low and high < vocab):
                 raise ValueError(
                     f"request slot {s.slot}: token ids must be in [0, {vocab}) (the vocabulary), got {low}..{high}"
@@ -484,12 +485,14 @@ class StepRunner:
             raise TypeError(f"prompts must be a sequence of prompts, got {type(prompts).__name__}")
         prompts = [_token_list(f"prompt {i}", p) for i, p in enumerate(prompts)]
         # Checked before any step writes a cache: the last new token is fed only to predict the next.
-        too_long = [i for i, p in enumerate(prompts) if len(p) + max_new_tokens - 1 > self.max_model_len]
+        # With max_new_tokens 0 nothing is fed.
+        needed = [len(p) + max_new_tokens - 1 if max_new_tokens else 0 for p in prompts]
+        too_long = [i for i, n in enumerate(needed) if n > self.max_model_len]
         if too_long:
             i = too_long[0]
             raise ValueError(
                 f"prompt {i} ({len(prompts[i])} tokens) with {max_new_tokens} new tokens needs "
-                f"{len(prompts[i]) + max_new_tokens - 1} positions; the runner's max_model_len is {self.max_model_len}"
+                f"{needed[i]} positions; the runner's max_model_len is {self.max_model_len}"
             )
         if len(prompts) > self.max_requests:
             raise ValueError(f"{len(prompts)} prompts; the runner has {self.max_requests} request slots")
@@ -651,13 +654,19 @@ class WorkloadResult:
 
 def run_workload(runner: StepRunner, workload: Workload, hidden_size: int) -> WorkloadResult:
     """Drive ``workload`` through ``runner``; return committed outputs per request. Request ``i`` takes
-    slot ``i``; a workload with more requests than slots, or a request longer than ``max_model_len``, is
-    refused (``ValueError``) before any step."""
+    slot ``i``; a workload with more requests than slots, a request longer than ``max_model_len``, or more
+    drafts than a Step5 model's rings roll back, is refused (``ValueError``) before any step."""
     if runner.input_kind != HIDDEN:
         raise ValueError('run_workload feeds hidden states: it needs a runner built with inputs="hidden"')
     n = len(workload.prompt_lens)
     if n > runner.max_requests:
         raise ValueError(f"the workload has {n} requests; the runner has {runner.max_requests} request slots")
+    rollback = runner._max_rollback
+    if rollback is not None and workload.num_speculative_tokens > rollback:
+        raise ValueError(
+            f"the workload rejects up to {workload.num_speculative_tokens} drafts per verify step; the model's CSA "
+            f"rings roll back {rollback} (Step5Model.max_rollback)"
+        )
     if workload.max_len > runner.max_model_len:
         raise ValueError(
             f"the workload needs {workload.max_len} positions per request (its longest request and "

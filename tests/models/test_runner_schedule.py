@@ -290,6 +290,39 @@ def test_run_workload_refuses_what_the_runner_cannot_hold_before_any_step(runner
     assert runner.steps == 0
 
 
+def test_run_workload_refuses_more_drafts_than_step5_rolls_back_before_any_step():
+    """A verify step may reject all its drafts; a Step5 model's rings roll back max_rollback positions (3 at
+    k = 3). The runner's own rollback check refused the step after four steps had written the caches."""
+    model = Step5Model()
+    runner = StepRunner(model, max_requests=2, max_model_len=64, max_tokens=8, device="cpu")
+    workload = Workload(prompt_lens=(9, 5), decode_lens=(20, 20), token_budget=8, num_speculative_tokens=6)
+    with pytest.raises(ValueError, match=r"rejects up to 6 drafts per verify step; the model's CSA rings roll back 3"):
+        run_workload(runner, workload, model.config.hidden_size)
+    assert runner.steps == 0
+
+
+def test_unsigned_token_ids_are_checked_as_the_others():
+    """uint16/32/64 ids failed in torch.aminmax ("not implemented for 'UInt64'"); now range-checked, and in
+    range they give the int64 ids' logits."""
+    torch.manual_seed(0)
+    model = InklingModel()
+    runners = [StepRunner(model, max_requests=1, max_model_len=16, max_tokens=4, device="cpu", inputs="tokens")]
+    want = runners[0].step([ScheduledRequest(0, 0, torch.tensor([5, 9, 127]))])[0]
+    for dtype in (torch.uint16, torch.uint32, torch.uint64):
+        runner = StepRunner(model, max_requests=1, max_model_len=16, max_tokens=4, device="cpu", inputs="tokens")
+        assert torch.equal(runner.step([ScheduledRequest(0, 0, torch.tensor([5, 9, 127], dtype=dtype))])[0], want)
+        with pytest.raises(ValueError, match=r"token ids must be in \[0, 128\) \(the vocabulary\), got 5\.\.128"):
+            runner.step([ScheduledRequest(0, 0, torch.tensor([5, 128], dtype=dtype))])
+
+
+def test_generate_with_no_new_tokens_feeds_nothing_whatever_the_prompts_length():
+    """A 17-token prompt passed a max_model_len of 16 and a 100-token one was refused as needing 99 positions;
+    with max_new_tokens 0 no step runs, so neither needs a position."""
+    runner = StepRunner(InklingModel(), max_requests=2, max_model_len=16, max_tokens=4, device="cpu", inputs="tokens")
+    assert runner.generate([[1] * 17, [2] * 100], 0) == [[], []]
+    assert runner.steps == 0
+
+
 @pytest.mark.parametrize("make_model", [InklingModel, Step5Model], ids=["inkling", "step5"])
 def test_a_models_own_forward_names_bad_hidden_states(make_model):
     """Calling the model itself (as docs/models.md's compile example does): a wrong width or rank was a
