@@ -328,9 +328,11 @@ class InklingRouter(nn.Module):
 class InklingMoE(nn.Module):
     """Sparse MLP: routed experts (weighted by the router) + shared experts (weighted by their gammas).
 
-    Each token's chosen routed experts are added in ascending expert id order, each output times its router
-    weight in ``x.dtype`` and added only where that weight is not 0, into ``x.dtype`` starting from 0: the
-    order transformers' eager loop adds them in. Two paths with these semantics, picked by the step's token
+    Each token's chosen routed experts: each output times its router weight in ``x.dtype``, summed in fp32
+    (in ascending expert id order, only where the weight is not 0) and rounded once to ``x.dtype``, as
+    transformers' default experts implementation (``grouped_mm``: a ``.sum`` over the top-k products) and
+    fused MoE kernels do. Its eager loop instead adds into ``x.dtype``, rounding after each expert: one ulp
+    apart on some outputs from top-k 3 on. Two paths with these semantics, picked by the step's token
     count ``T`` (a static shape: fixed in a CUDA graph, and the runner compiles one graph per side of the
     threshold, see :meth:`small_step_max_tokens`), neither with a host sync or a data-dependent shape:
 
@@ -372,12 +374,12 @@ class InklingMoE(nn.Module):
 
     def all_experts(self, x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Routed output ``[T, hidden]``: every expert on every token, added in expert order where chosen."""
-        routed = torch.zeros_like(x)
+        routed = torch.zeros_like(x, dtype=_accumulation_dtype(x))
         for expert in range(self.experts_gate_up.shape[0]):
             gate, up = F.linear(x, self.experts_gate_up[expert]).chunk(2, dim=-1)
             out = F.linear(F.silu(gate) * up, self.experts_down[expert]) * weights[:, expert, None]
-            routed = torch.where(weights[:, expert, None] != 0, routed + out, routed)
-        return routed
+            routed = torch.where(weights[:, expert, None] != 0, routed + out.to(routed.dtype), routed)
+        return routed.to(x.dtype)
 
     def chosen_experts(self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
         """Routed output ``[T, hidden]``: only the ``chosen [T, k]`` experts, added in ascending id order."""
@@ -391,10 +393,10 @@ class InklingMoE(nn.Module):
         gate, up = (x[:, None, None, :] @ gate_up.transpose(-1, -2)).chunk(2, dim=-1)
         out = (F.silu(gate) * up) @ down.transpose(-1, -2)  # [T, k, 1, hidden]
         out = out[:, :, 0] * slot_weights[:, :, None]
-        routed = torch.zeros_like(x)
+        routed = torch.zeros_like(x, dtype=_accumulation_dtype(x))
         for slot in range(top_k):
-            routed = torch.where(slot_weights[:, slot, None] != 0, routed + out[:, slot], routed)
-        return routed
+            routed = torch.where(slot_weights[:, slot, None] != 0, routed + out[:, slot].to(routed.dtype), routed)
+        return routed.to(x.dtype)
 
     def _shared(self, x: torch.Tensor, gammas: torch.Tensor) -> torch.Tensor:
         """Shared experts as one batched matmul each, summed in fp32 (transformers' order)."""
@@ -402,7 +404,13 @@ class InklingMoE(nn.Module):
         gate = torch.bmm(stacked, self.shared_gate.transpose(1, 2))
         up = torch.bmm(stacked, self.shared_up.transpose(1, 2))
         down = torch.bmm(F.silu(gate) * up * gammas.t()[:, :, None], self.shared_down.transpose(1, 2))
-        return down.float().sum(0).to(x.dtype)
+        return down.to(_accumulation_dtype(x)).sum(0).to(x.dtype)
+
+
+def _accumulation_dtype(x: torch.Tensor) -> torch.dtype:
+    """Where the MoE sums its experts: fp32 for bf16/fp16/fp32 activations (as transformers' ``.sum`` of
+    bf16 does), fp64 for fp64 ones."""
+    return torch.promote_types(x.dtype, torch.float32)
 
 
 def log_scaling(position: torch.Tensor, n_floor: int, alpha: float) -> torch.Tensor:

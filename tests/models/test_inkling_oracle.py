@@ -196,6 +196,27 @@ def test_parts_with_the_same_arithmetic_are_bitwise_in_bf16(checkpoint, hf16):
         assert model.layers[1].log_scaling
 
 
+@pytest.mark.parametrize("num_experts, top_k", [(8, 3), (16, 6)])
+def test_routed_experts_are_summed_as_transformers_default_experts_bitwise(tmp_path, num_experts, top_k):
+    """transformers' default experts (``grouped_mm``, what ``from_pretrained`` runs) multiply each chosen
+    output by its weight in bf16, sum the top-k in fp32 and round once; its eager loop rounds after each add.
+    Equal at top-2 (the first add into 0 is exact), one ulp apart on 15-40% of outputs from top-3 on (6 is
+    Inkling's): stepops followed the eager loop before. Both paths here: every expert on every token (64
+    tokens) and only the chosen ones (one token per call, ``T * k < E``)."""
+    config = {**HF_CONFIG, "n_routed_experts": num_experts, "num_experts_per_tok": top_k}
+    checkpoint = save_random_inkling(tmp_path, config)
+    hf = load_transformers_inkling(checkpoint, torch.bfloat16)
+    assert hf.config._experts_implementation == "grouped_mm"
+    model = load_inkling(checkpoint)
+    moe, hf_moe = model.layers[1].mlp, hf.model.layers[1].mlp
+    x = torch.randn(64, config["hidden_size"], generator=torch.Generator().manual_seed(top_k)).to(torch.bfloat16)
+    with torch.no_grad():
+        want = hf_moe(x[None])[0]
+        assert torch.equal(moe(x), want)
+        assert 1 <= moe.small_step_max_tokens
+        assert torch.equal(torch.cat([moe(row[None]) for row in x]), want)
+
+
 def _attention_is_bitwise(layer, attn, x: torch.Tensor, compare_output: bool = True) -> None:
     """Transformers' attention forward (no cache, eager) vs stepops' pieces on the same projections
     (``compare_output``: the attention output too, within ``FP32_LAYER``; fp32 only)."""
