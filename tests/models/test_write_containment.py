@@ -86,7 +86,9 @@ class Geometry:
             if not self.step5:
                 cfg = model.config
                 _, kv_heads, head_dim = cfg.attention_geometry(cfg.layer_types[len(self.convs)])
-                self.convs.append((layer.conv_state.kv_cache, 2 * head_dim + 2 * (cfg.hidden_size // kv_heads)))
+                # K, V, then the attention- and MLP-output chunks of ceil(hidden / kv_heads) channels: with KV
+                # heads that do not divide hidden_size the last head's chunk is padded with zero channels.
+                self.convs.append((layer.conv_state.kv_cache, 2 * head_dim + 2 * -(-cfg.hidden_size // kv_heads)))
         self.caches = self.attn + [r[0] for r in self.rings] + self.summaries + [c[0] for c in self.convs]
         assert len({c.untyped_storage().data_ptr() for c in self.caches}) == len(self.caches)
 
@@ -239,6 +241,9 @@ def run_contained_steps(
         pytest.param("step5", Step5Config(layer_types=("csa",), moe_layers=()), _LONG, id="step5_csa_long"),
         pytest.param("inkling", None, None, id="inkling"),
         pytest.param("inkling", InklingConfig(layer_types=("global",), block_size=32), None, id="inkling_enlarged_blocks"),
+        # 3 KV heads for 64 channels: chunks of 22, the last head's 2 padding channels written (as zeros).
+        pytest.param("inkling", InklingConfig(layer_types=("global",), num_heads=6, num_kv_heads=3), None,
+                     id="inkling_padded_head_chunks"),
     ],
 )
 def test_a_step_writes_only_its_own_rows(kind, config, workload):
