@@ -213,7 +213,7 @@ def test_routed_experts_are_summed_as_transformers_default_experts_bitwise(tmp_p
     with torch.no_grad():
         want = hf_moe(x[None])[0]
         assert torch.equal(moe(x), want)
-        assert 1 <= moe.small_step_max_tokens
+        assert moe.small_step_max_tokens >= 1  # so a one-token call runs only the chosen experts
         assert torch.equal(torch.cat([moe(row[None]) for row in x]), want)
 
 
