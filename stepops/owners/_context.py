@@ -1,4 +1,5 @@
-"""What every owner shares: the forward context it registers in, and the cache geometry of its backend.
+"""What every owner shares: the forward context it registers in, the cache geometry of its backend, and its
+layer name in front of the layouts' bind errors.
 
 The forward context is the name -> layer mapping every owner registers itself in.
 
@@ -8,7 +9,8 @@ explicit argument so the owners need no engine. The allocator walks it to find e
 
 from __future__ import annotations
 
-from collections.abc import MutableMapping
+from collections.abc import Iterator, MutableMapping
+from contextlib import contextmanager
 from typing import Any
 
 
@@ -23,6 +25,17 @@ def register_layer(prefix: str, layer: object, static_forward_context: MutableMa
     if prefix in static_forward_context:
         raise ValueError(f"Duplicate layer name: {prefix}")
     static_forward_context[prefix] = layer
+
+
+@contextmanager
+def naming_layer(name: str) -> Iterator[None]:
+    """Re-raise a ``TypeError`` or ``ValueError`` of the block with ``name: `` in front: the layouts an owner
+    binds through know no layer, and in a deep model "sconv SWA cache block size 2 ..." left the caller to
+    find which one."""
+    try:
+        yield
+    except (TypeError, ValueError) as error:
+        raise type(error)(f"{name}: {error}") from None
 
 
 class BlockStridedBackend:

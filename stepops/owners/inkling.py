@@ -17,7 +17,7 @@ from torch import nn
 
 from stepops.layouts import BoundInklingConvState, InklingConvStateLayout, InklingStream
 from stepops.ops.sconv import SconvMetadata, build_sconv_metadata, sconv
-from stepops.owners._context import BlockStridedBackend, register_layer
+from stepops.owners._context import BlockStridedBackend, naming_layer, register_layer
 from stepops.specs import SlidingWindowSpec
 
 
@@ -137,12 +137,9 @@ class InklingConvState(nn.Module):
         self._bound(kv_cache)
 
     def _bound(self, kv_cache: torch.Tensor) -> BoundInklingConvState:
-        """The layout's bind, its errors naming this layer (the layout knows no layer: in a deep model
-        "sconv SWA cache block size 2 ..." left the caller to find which)."""
-        try:
+        """The layout's bind, its errors naming this layer."""
+        with naming_layer(f"Inkling conv state {self.prefix}"):
             return self.layout.bind(kv_cache)
-        except (TypeError, ValueError) as error:
-            raise type(error)(f"Inkling conv state {self.prefix}: {error}") from None
 
     def metadata_builder(self) -> InklingSconvMetadataBuilder:
         """A builder for this bound cache's metadata (it carries the bound ``N``)."""

@@ -15,7 +15,7 @@ from torch import nn
 
 from stepops.layouts import REPLAY_ROWS, ROW_BYTES, BoundCSATailRing, CSATailRingLayout, check_ring_cache_blocks
 from stepops.ops.csa_ring_update import CSARingMetadata, build_csa_ring_metadata, csa_ring_update
-from stepops.owners._context import BlockStridedBackend, register_layer
+from stepops.owners._context import BlockStridedBackend, naming_layer, register_layer
 from stepops.specs import AttentionSpec, CircularBufferSpec, check_int
 
 
@@ -189,10 +189,8 @@ class Step5CSATailRing(nn.Module):
         layout = CSATailRingLayout(
             page_bytes=page_bytes, block_size=1, num_speculative_tokens=self.num_speculative_tokens
         )
-        try:
+        with naming_layer(f"Step5 CSA tail ring {self.layer_name}"):
             return layout.bind(kv_cache)
-        except ValueError as error:  # the layout knows no layer
-            raise ValueError(f"Step5 CSA tail ring {self.layer_name}: {error}") from None
 
     def metadata_builder(self, summary_block_size: int) -> Step5CSATailRingMetadataBuilder:
         """A builder for this bound ring's metadata (it carries ``rows_per_block``)."""
