@@ -116,29 +116,21 @@ class KVCaches:
         return {name: layer.kv_cache for name, layer in self.layers.items()}
 
 
-def _backend_name(backend: Any) -> str:
-    """``backend.get_name()``, or its class's name for a backend without one (it only names errors)."""
-    get_name = getattr(backend, "get_name", None)
-    return get_name() if callable(get_name) else getattr(backend, "__name__", type(backend).__name__)
-
-
-def _stride_order(backend: Any, ndim: int) -> tuple[int, ...]:
-    """``backend.get_kv_cache_stride_order()``; the identity for a backend without one, or whose method
-    raises ``NotImplementedError`` (as vLLM's base class does, and as vLLM reads it)."""
-    get_order = getattr(backend, "get_kv_cache_stride_order", None)
-    if not callable(get_order):
-        return tuple(range(ndim))
+def _optional(backend: Any, method: str, default: Any) -> Any:
+    """``backend.method()``, or ``default`` for a backend without it or whose method raises
+    ``NotImplementedError`` (as vLLM's base class does for the optional ones, and as vLLM reads them)."""
+    call = getattr(backend, method, None)
+    if not callable(call):
+        return default
     try:
-        return tuple(get_order())
+        return call()
     except NotImplementedError:
-        return tuple(range(ndim))
+        return default
 
 
-def _indexes_by_block_stride(backend: Any) -> bool:
-    """``backend.indexes_kv_by_block_stride()`` (a stepops backend's declaration that its blocks may be
-    padded); ``False`` for a backend that does not declare it, whose blocks are then only ever scaled."""
-    declared = getattr(backend, "indexes_kv_by_block_stride", None)
-    return bool(declared()) if callable(declared) else False
+def _backend_name(backend: Any) -> str:
+    """The backend's ``get_name()``, else its class's name (it only names errors)."""
+    return _optional(backend, "get_name", getattr(backend, "__name__", type(backend).__name__))
 
 
 def _cache_view(
@@ -151,7 +143,7 @@ def _cache_view(
     )
     if not all(is_int(size) and size >= 1 for size in shape):
         raise ValueError(f"{_backend_name(backend)}: cache shape {shape} must be positive ints")
-    order = _stride_order(backend, len(shape))
+    order = tuple(_optional(backend, "get_kv_cache_stride_order", range(len(shape))))
     if order != tuple(range(len(shape))):
         raise ValueError(
             f"{_backend_name(backend)}: only identity stride orders are supported (blocks outermost), got {order}"
@@ -206,7 +198,8 @@ def allocate_kv_caches(
             raise TypeError(f"layer {name}: its backend {_backend_name(backend)} has no get_kv_cache_shape()")
     unified = unify_page_sizes(
         {name: owner.get_kv_cache_spec() for name, owner in owners.items()},
-        strided=[name for name, backend in backends.items() if _indexes_by_block_stride(backend)],
+        # Without the declaration a backend's blocks are only ever scaled, never padded.
+        strided=[name for name, b in backends.items() if _optional(b, "indexes_kv_by_block_stride", False)],
     )
     page_bytes = unified.page_bytes
     check_int(f"num_blocks * page bytes ({num_blocks} x {page_bytes})", num_blocks * page_bytes, 1)
