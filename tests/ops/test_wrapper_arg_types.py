@@ -2,6 +2,7 @@
 names the argument, never the dispatcher's ``RuntimeError``, an ``AttributeError`` from inside the checks,
 or a bool silently taken as the int ``1``."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -73,6 +74,8 @@ _CASES = [
     (sconv, _sconv_args, "stream_offset", True, "sconv: stream_offset must be an int, got bool"),
     (sconv, _sconv_args, "stream_offset", 0.0, "sconv: stream_offset must be an int, got float"),
     (sconv, _sconv_args, "stream_offset", None, "sconv: stream_offset must be an int, got NoneType"),
+    # The dispatcher takes a NumPy integer; the wrappers' size checks take Python ints alone (docs/ops.md).
+    (sconv, _sconv_args, "stream_offset", np.int64(0), "sconv: stream_offset must be an int, got int64"),
     (sconv, _sconv_args, "stream_offset", torch.tensor(0), "sconv: stream_offset must be an int, got Tensor"),
     # An IntEnum is an int: InklingStream.V was taken as the offset 1, while V starts at head_dim.
     (sconv, _sconv_args, "stream_offset", InklingStream.V, "sconv: stream_offset must be an int, got InklingStream"),
@@ -87,6 +90,7 @@ _CASES = [
      "metadata.position must be a torch.Tensor"),
     (csa_ring_update, _csa_args, "capacity", True, "csa_ring_update: capacity must be an int, got bool"),
     (csa_ring_update, _csa_args, "capacity", 16.0, "csa_ring_update: capacity must be an int, got float"),
+    (csa_ring_update, _csa_args, "capacity", np.int32(10), "csa_ring_update: capacity must be an int, got int32"),
     (csa_ring_update, _csa_args, "errors", [0], "csa_ring_update: errors must be a torch.Tensor, got list"),
 ]
 
