@@ -138,7 +138,9 @@ def format_estimates(result: dict) -> str:
 
 
 def main(json_path: Path | None = None) -> int:
-    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+    from stepops._triton import interpreting
+
+    if interpreting():
         env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
         root = Path(__file__).resolve().parent.parent
         extra = ["--json", str(Path(json_path).resolve())] if json_path else []  # the child runs in root

@@ -19,13 +19,19 @@ from typing import Any
 import torch
 
 try:
-    import triton  # noqa: F401
+    import triton
 except ImportError as error:  # also a broken install: any import failure means no CUDA kernels
     HAS_TRITON = False
     TRITON_IMPORT_ERROR: str | None = f"{type(error).__name__}: {error}"
 else:
     HAS_TRITON = True
     TRITON_IMPORT_ERROR = None
+
+
+def interpreting() -> bool:
+    """Whether Triton runs kernels in its interpreter: ``TRITON_INTERPRET`` as Triton itself reads it (``1``,
+    ``true``, ``on``...; ``0``, ``false``, ``off`` or unset compile). False without Triton."""
+    return HAS_TRITON and triton.knobs.runtime.interpret
 
 
 def triton_launcher(op: str, module: str, name: str) -> Callable[..., Any]:

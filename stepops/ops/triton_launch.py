@@ -26,6 +26,8 @@ Under ``TRITON_INTERPRET=1`` the kernel is an interpreted function and every cal
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -126,7 +128,14 @@ class CachedLaunch:
 
     def _first_call(self, key: tuple, grid: tuple[int, ...], args: tuple, kwargs: dict) -> None:
         """Launch through ``JITFunction.run`` and remember the compiled kernel it used, with the values
-        of the kernel's parameters after ``args`` (its constexprs, given or defaulted) in its order."""
+        of the kernel's parameters after ``args`` (its constexprs, given or defaulted) in its order. The
+        key took the first call's count of leading tensors: a call with another count is refused here (a
+        tensor among the scalars would be keyed by identity and miss every time)."""
+        if leading_tensors(self.kernel, args) != self._num_tensors:
+            raise TypeError(
+                f"CachedLaunch({self.kernel.__name__}): pass the same {self._num_tensors} leading tensor "
+                "arguments on every call"
+            )
         compiled = self.kernel.run(*args, grid=grid, warmup=False, **kwargs)
         if getattr(compiled, "function", None) is None:  # no loaded kernel: a hook stopped the launch
             return
@@ -135,6 +144,18 @@ class CachedLaunch:
         if len(self._compiled) >= MAX_KEYS:
             self._compiled.clear()
         self._compiled[key] = compiled, tuple(bound.arguments.values())[len(args) :]
+
+
+@contextlib.contextmanager
+def plain_launches() -> Iterator[None]:
+    """Within: every :class:`CachedLaunch` launches through ``kernel[grid]`` (:meth:`CachedLaunch.plain`),
+    the path the table is compared with and that the build tooling records."""
+    original = CachedLaunch.__call__
+    CachedLaunch.__call__ = CachedLaunch.plain
+    try:
+        yield
+    finally:
+        CachedLaunch.__call__ = original
 
 
 def leading_tensors(kernel: Any, args: tuple) -> int:

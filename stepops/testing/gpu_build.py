@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-import os
 import re
 import subprocess
 import sys
@@ -36,6 +35,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from stepops._triton import interpreting
 
 # (name, compute capability): Hopper (H100/H200) and Ampere (A100).
 TARGETS = (("sm_90a", 90), ("sm_80", 80))
@@ -116,7 +117,7 @@ def _record_launches(calls: tuple[OpCall, ...] = (), samples: bool = True) -> li
     from triton.runtime.jit import JITFunction
 
     from stepops._library import registered_ops
-    from stepops.ops.triton_launch import CachedLaunch
+    from stepops.ops.triton_launch import plain_launches
     from stepops.testing.registry import op_samples
 
     launches: list[_Launch] = []
@@ -132,15 +133,16 @@ def _record_launches(calls: tuple[OpCall, ...] = (), samples: bool = True) -> li
         else []
     )
     every += [(c.op, c.shapes, c.args, c.kwargs) for c in calls]
-    original, original_call = JITFunction.run, CachedLaunch.__call__
+    original = JITFunction.run
     # Every launch through the recorder: no GPU driver is asked for a device, no compiled kernel kept.
-    JITFunction.run, CachedLaunch.__call__ = record, CachedLaunch.plain
+    JITFunction.run = record
     try:
-        for name, shapes, args, kwargs in every:
-            current.update(op=name, launcher=entries[name].triton_kernel, shapes=shapes)
-            entries[name].triton_kernel(*args, **kwargs)
+        with plain_launches():
+            for name, shapes, args, kwargs in every:
+                current.update(op=name, launcher=entries[name].triton_kernel, shapes=shapes)
+                entries[name].triton_kernel(*args, **kwargs)
     finally:
-        JITFunction.run, CachedLaunch.__call__ = original, original_call
+        JITFunction.run = original
     return launches
 
 
@@ -454,7 +456,7 @@ def _triton_version() -> str:
 
 
 def _check_can_compile() -> None:
-    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+    if interpreting():
         raise RuntimeError("gpu_build needs a process without TRITON_INTERPRET: interpreted kernels cannot "
                            "be compiled")
     reason = unsupported_reason()

@@ -18,7 +18,6 @@ paths instead; the test runs it in a subprocess), like :mod:`stepops.testing.gpu
 from __future__ import annotations
 
 import contextlib
-import os
 import statistics
 import sys
 import timeit
@@ -27,6 +26,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from stepops._triton import interpreting
 
 _STREAM = 0x5EED  # the stand-in driver's one stream
 
@@ -91,7 +92,7 @@ def stand_in_gpu() -> Iterator[list]:
     """Within: Triton launches on the stand-in driver and stub kernels; yields the list of recorded
     launches. Triton's kernel caches are left holding stub kernels only for the kernels launched within;
     run it in a process of its own."""
-    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+    if interpreting():
         raise RuntimeError("launch_check needs a process without TRITON_INTERPRET (kernels are interpreted)")
     if torch.cuda.is_available():  # stub kernels left in Triton's caches must never meet a real GPU
         raise RuntimeError("launch_check stands in for a GPU: run it with none visible (CUDA_VISIBLE_DEVICES=)")
@@ -133,19 +134,6 @@ def _counting_jit_runs() -> Iterator[list]:
         JITFunction.run = original
 
 
-@contextlib.contextmanager
-def _plain_launches() -> Iterator[None]:
-    """Within: every :class:`CachedLaunch` launches through ``kernel[grid]``."""
-    from stepops.ops.triton_launch import CachedLaunch
-
-    original = CachedLaunch.__call__
-    CachedLaunch.__call__ = CachedLaunch.plain
-    try:
-        yield
-    finally:
-        CachedLaunch.__call__ = original
-
-
 def _record(calls: Sequence[LaunchCall], launches: list) -> list[list]:
     """The launches each call made, fingerprinted."""
     recorded = []
@@ -161,12 +149,14 @@ def _record(calls: Sequence[LaunchCall], launches: list) -> list[list]:
 def compare_paths(calls: Sequence[LaunchCall]) -> tuple[int, list[str]]:
     """Run ``calls`` through the table twice, then through ``kernel[grid]``: the number of launches
     ``kernel[grid]`` made, and one line per problem."""
+    from stepops.ops.triton_launch import plain_launches
+
     problems = []
     with stand_in_gpu() as launches:
         filling = _record(calls, launches)
         with _counting_jit_runs() as runs:
             cached = _record(calls, launches)
-        with _plain_launches():
+        with plain_launches():
             plain = _record(calls, launches)
     if runs:
         problems.append(f"{len(runs)} launches of the second pass missed the table ({sorted(set(runs))})")
@@ -222,6 +212,8 @@ def misaligned_calls(calls: Sequence[LaunchCall]) -> list[LaunchCall]:
 def launcher_host_us(calls: Sequence[LaunchCall], number: int = 2000) -> list[dict]:
     """Per call, the launcher's host time through the table and through ``kernel[grid]`` (µs, best of 5
     rounds of ``number``), on the stand-in driver: Python work only, no launch."""
+    from stepops.ops.triton_launch import plain_launches
+
     rows = []
     with stand_in_gpu():
         for call in calls:
@@ -231,7 +223,7 @@ def launcher_host_us(calls: Sequence[LaunchCall], number: int = 2000) -> list[di
 
             run()
             cached = min(timeit.repeat(run, number=number, repeat=5)) / number * 1e6
-            with _plain_launches():
+            with plain_launches():
                 plain = min(timeit.repeat(run, number=number, repeat=5)) / number * 1e6
             rows.append({"call": call.label, "plain_us": plain, "cached_us": cached})
     return rows
@@ -280,6 +272,20 @@ def scalar_calls() -> list[LaunchCall]:
     return calls + [LaunchCall("scalars: base on device 1", on_device_1, ((2,), *base["args"]), base["kwargs"])]
 
 
+def tensor_among_scalars_problems() -> list[str]:
+    """A call that passes a tensor where the first call passed a scalar must be refused (a ``TypeError``):
+    the table would key that tensor by identity and miss on every call. One line per problem."""
+    base = scalar_calls()[0]  # a CachedLaunch of its own, empty
+    grid, x, y, _, *scalars = base.args
+    with stand_in_gpu():
+        base.launch(*base.args, **base.kwargs)
+        try:
+            base.launch(grid, x, y, x, *scalars, **base.kwargs)
+        except TypeError as error:
+            return [] if "same 2 leading tensor arguments" in str(error) else [f"tensor among scalars: {error}"]
+    return ["tensor among scalars: CachedLaunch keyed it instead of refusing it"]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Compare the paths on every sample, its misaligned variants and the scalar calls; ``--time``
     instead prints each op's launcher host time through both paths (median over its samples)."""
@@ -297,6 +303,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     calls = sample_calls()
     calls += misaligned_calls(calls) + scalar_calls()
     launches, problems = compare_paths(calls)
+    problems += tensor_among_scalars_problems()
     for line in problems:
         print(line)
     print(f"{len(calls)} calls, {launches} launches, {len(problems)} problems")

@@ -11,6 +11,7 @@ the launches through the table must equal those through ``kernel[grid]`` argumen
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import subprocess
@@ -103,11 +104,11 @@ def test_copies_as_views_keep_offset_strides_alignment_and_bytes():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="launches compiled kernels: needs a GPU")
-def test_on_a_gpu_launches_from_the_table_write_what_kernel_grid_writes(monkeypatch):
+def test_on_a_gpu_launches_from_the_table_write_what_kernel_grid_writes():
     """Every sample of every op, on a GPU: the call through ``kernel[grid]`` and two calls through the
     table (the second one a hit) write the same bytes into every argument's storage and return the same."""
     from stepops._library import registered_ops
-    from stepops.ops.triton_launch import CachedLaunch
+    from stepops.ops.triton_launch import plain_launches
     from stepops.testing.storage import copy_as_views
 
     device = torch.device("cuda")
@@ -118,9 +119,7 @@ def test_on_a_gpu_launches_from_the_table_write_what_kernel_grid_writes(monkeypa
                 # Same views of fresh storages: the same alignments, so the same table keys, each run.
                 copied = copy_as_views([*sample.args, *sample.kwargs.values()])
                 args, kwargs = copied[: len(sample.args)], dict(zip(sample.kwargs, copied[len(sample.args) :]))
-                with monkeypatch.context() as patch:
-                    if path == "plain":
-                        patch.setattr(CachedLaunch, "__call__", CachedLaunch.plain)
+                with plain_launches() if path == "plain" else contextlib.nullcontext():
                     out = entry.triton_kernel(*args, **kwargs)
                 written = copy_as_views([*args, *kwargs.values(), out], "cpu")
                 runs.append([bytes(t.untyped_storage()) for t in written if isinstance(t, torch.Tensor)])
