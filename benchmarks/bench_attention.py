@@ -38,7 +38,7 @@ from typing import Any, Callable
 import torch
 
 from benchmarks.cli_args import add_device_arguments, check_device_argument, check_json_argument
-from benchmarks.harness import Settings, median_us
+from benchmarks.harness import Settings, median_us, right_aligned
 from stepops.layouts import REGION_SIZE
 from stepops.testing.memory import peak_transient_bytes
 
@@ -126,8 +126,7 @@ def format_attention(results: dict[str, Any]) -> str:
          f"{r['peak_compiled_mib']:.1f}", f"{r['compiled_us']:.0f}", f"{r['us_per_kv_mib']:.1f}"]
         for r in results["rows"]
     ]
-    widths = [max(len(row[i]) for row in table) for i in range(len(header))]
-    lines += ["  " + "  ".join(v.rjust(w) for v, w in zip(row, widths)) for row in table]
+    lines += right_aligned(table)
     key = next(k for k in results if k.startswith("growth_"))
     for name, g in results[key].items():
         lines.append(f"  {name} {key.removeprefix('growth_')}: peak eager x{g['peak_eager']:.2f}, "
@@ -234,8 +233,7 @@ def format_model_step(results: dict[str, Any]) -> str:
          f"{r['peak_mib']:.1f}" if "peak_mib" in r else "-", f"{r['step_us']:.0f}", f"{r['us_per_kv_mib']:.1f}"]
         for r in results["rows"]
     ]
-    widths = [max(len(row[i]) for row in table) for i in range(len(header))]
-    lines += ["  " + "  ".join(v.rjust(w) for v, w in zip(row, widths)) for row in table]
+    lines += right_aligned(table)
     key = next(k for k in results if k.startswith("growth_"))
     for name, g in results[key].items():
         peak = f"peak x{g['peak']:.2f}, " if "peak" in g else ""

@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 import torch
 
-from benchmarks.harness import Settings, median_us, side_by_side_us
+from benchmarks.harness import Settings, median_us, right_aligned, side_by_side_us
 
 
 def _configs(settings: Settings):
@@ -153,9 +153,8 @@ def format_layers(results: dict[str, Any]) -> str:
         for c in model["cases"]:
             rows.append([c["case"], str(c["requests"]), str(c["tokens"])] + [
                 f"{c[f'{m}_{what}_us']:.1f}" for m in model["modes"] for what in ("step", "forward")])
-        widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
         lines.append(f"{model['model']}")
-        lines += ["  " + "  ".join(v.rjust(w) for v, w in zip(r, widths)) for r in rows]
+        lines += right_aligned(rows)
     diffs = ", ".join(f"{k} {v:.3g}" for k, v in results.get("max_abs_diff_vs_eager", {}).items())
     lines.append(f"  first-step max |output - eager|: {diffs}")
     if results.get("moe_blocks"):

@@ -102,15 +102,26 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _timer(fn: Callable[[], Any]) -> torch_benchmark.Timer:
+    return torch_benchmark.Timer(stmt="fn()", globals={"fn": fn}, num_threads=torch.get_num_threads())
+
+
+def _wall_median_us(fn: Callable[[], Any], settings: Settings) -> float:
+    """The median over blocks of back-to-back calls of the mean wall time of one call, after a warm-up
+    call (a first call may compile or allocate)."""
+    fn()
+    _sync(settings.device)
+    return 1e6 * _timer(fn).blocked_autorange(min_run_time=settings.min_run_time).median
+
+
 def median_us(fn: Callable[[], Any], settings: Settings) -> float:
-    """Median time of ``fn()`` in microseconds on the settings' device."""
+    """Median time of ``fn()`` in microseconds on the settings' device (on a GPU, Triton's ``do_bench``:
+    kernel time, synchronised)."""
     if settings.device.type == "cuda":
         import triton.testing
 
         return 1e3 * triton.testing.do_bench(fn, return_mode="median")
-    fn()  # warm up (a first call may compile or allocate)
-    timer = torch_benchmark.Timer(stmt="fn()", globals={"fn": fn}, num_threads=torch.get_num_threads())
-    return 1e6 * timer.blocked_autorange(min_run_time=settings.min_run_time).median
+    return _wall_median_us(fn, settings)
 
 
 def cudagraph_median_us(fn: Callable[[], Any]) -> tuple[float | None, str | None]:
@@ -125,15 +136,13 @@ def cudagraph_median_us(fn: Callable[[], Any]) -> tuple[float | None, str | None
 
 
 def host_us(fn: Callable[[], Any], settings: Settings) -> float:
-    """Host-side cost of one call in microseconds: the mean wall time of back-to-back calls.
+    """Host-side cost of one call in microseconds: the median over blocks of back-to-back calls of the mean
+    wall time of one call.
 
     On CUDA the kernels of a tiny case finish faster than the host can launch them, so the loop's wall
     time is the host's; on CPU the call's whole time is host time.
     """
-    fn()
-    _sync(settings.device)
-    timer = torch_benchmark.Timer(stmt="fn()", globals={"fn": fn}, num_threads=torch.get_num_threads())
-    return 1e6 * timer.blocked_autorange(min_run_time=settings.min_run_time).median
+    return _wall_median_us(fn, settings)
 
 
 def side_by_side_us(fns: Sequence[Callable[[], Any]], settings: Settings, rounds: int = 15) -> list[float]:
@@ -141,7 +150,7 @@ def side_by_side_us(fns: Sequence[Callable[[], Any]], settings: Settings, rounds
     each round times a block of calls of every function, so a change in the machine's load (2 shared cores
     here) falls on all alike; the fastest block of each (a burst of load slows some blocks, none speeds
     one up). For ratios of host paths."""
-    timers = [torch_benchmark.Timer(stmt="fn()", globals={"fn": fn}, num_threads=torch.get_num_threads()) for fn in fns]
+    timers = [_timer(fn) for fn in fns]
     for fn in fns:
         fn()
     _sync(settings.device)
@@ -327,29 +336,35 @@ _TWINS: dict[tuple[str, str], torch._ops.OpOverload] = {}
 
 def noop_twin(entry, how: str = "register_op") -> torch._ops.OpOverload:
     """The no-op twin of ``entry``'s op: its schema, registered the way stepops registers its ops
-    (``stepops._library.register_op``: Library.define + CPU/CUDA/fake/Autograd), or with ``how="custom_op"``
-    through ``torch.library.custom_op`` (stepops' registration until 2026-12, for the before/after)."""
+    (``stepops._library.register_op``: Library.define + CPU/CUDA/fake/Autograd); with ``how="checks"`` the
+    same with the op's fake as its CPU and CUDA kernel (the argument checks and output allocation every
+    kernel entry runs: the CPU stand-in for an eager call's host path); with ``how="custom_op"`` through
+    ``torch.library.custom_op`` (stepops' registration until 2026-12, for the before/after)."""
     key = (entry.name, how)
-    if key not in _TWINS:
-        kernel = _noop_kernel(entry.overload)
-        if how == "register_op":
-            from stepops._library import register_op
+    if key in _TWINS:
+        return _TWINS[key]
+    written = _written(entry.overload)
+    if how in ("register_op", "checks"):
+        from stepops._library import register_op
 
-            _TWINS[key] = register_op(
-                f"stepops_twin::{entry.name}", mutates_args=_written(entry.overload), torch_kernel=entry.torch_kernel,
-                cpu_kernel=kernel, cuda_kernel=kernel, fake=entry.fake,
-            )
-        elif how == "custom_op":
-            schema = torch.library.infer_schema(entry.torch_kernel, mutates_args=_written(entry.overload))
-            twin = torch.library.custom_op(
-                f"stepops_twin_custom_op::{entry.name}", kernel, mutates_args=_written(entry.overload),
-                device_types="cpu", schema=schema,
-            )
-            twin.register_kernel("cuda", kernel)
-            twin.register_fake(entry.fake)
-            _TWINS[key] = getattr(torch.ops.stepops_twin_custom_op, entry.name).default
-        else:
-            raise ValueError(f"how must be 'register_op' or 'custom_op', got {how!r}")
+        kernel = _noop_kernel(entry.overload) if how == "register_op" else entry.fake
+        namespace = "stepops_twin" if how == "register_op" else "stepops_twin_checks"
+        _TWINS[key] = register_op(
+            f"{namespace}::{entry.name}", mutates_args=written, torch_kernel=entry.torch_kernel,
+            cpu_kernel=kernel, cuda_kernel=kernel, fake=entry.fake,
+        )  # fmt: skip
+    elif how == "custom_op":
+        kernel = _noop_kernel(entry.overload)
+        schema = torch.library.infer_schema(entry.torch_kernel, mutates_args=written)
+        twin = torch.library.custom_op(
+            f"stepops_twin_custom_op::{entry.name}", kernel, mutates_args=written, device_types="cpu",
+            schema=schema,
+        )  # fmt: skip
+        twin.register_kernel("cuda", kernel)
+        twin.register_fake(entry.fake)
+        _TWINS[key] = getattr(torch.ops.stepops_twin_custom_op, entry.name).default
+    else:
+        raise ValueError(f"how must be 'register_op', 'checks' or 'custom_op', got {how!r}")
     return _TWINS[key]
 
 
@@ -383,7 +398,7 @@ def _host_cost(module, entry, case: Case, settings: Settings) -> dict[str, Any]:
         # Differences are of times measured in turns: apart, the machine's load made them negative.
         op_us, kernel_us = side_by_side_us([lambda: entry.overload(*args), lambda: kernel(*args)], settings)
         custom_op_twin_us = _custom_op_twin_us(custom_op_twin, args, settings)
-        host_path = entry.overload if settings.device.type == "cuda" else noop_twin_with_checks(entry)
+        host_path = entry.overload if settings.device.type == "cuda" else noop_twin(entry, "checks")
         host_path_us, twin_us, checks_us = side_by_side_us(
             [lambda: host_path(*args), lambda: twin(*args), lambda: entry.fake(*args)], settings
         )
@@ -402,20 +417,6 @@ def _host_cost(module, entry, case: Case, settings: Settings) -> dict[str, Any]:
         "bar": HOST_PATH_BAR,
         "met": host_path_us / twin_us <= HOST_PATH_BAR,
     }
-
-
-def noop_twin_with_checks(entry) -> torch._ops.OpOverload:
-    """The op's schema registered like the op with its fake (the kernel entry's argument checks and output
-    allocation) as the CPU and CUDA kernel: the CPU stand-in for an eager call's host path."""
-    key = (entry.name, "checks")
-    if key not in _TWINS:
-        from stepops._library import register_op
-
-        _TWINS[key] = register_op(
-            f"stepops_twin_checks::{entry.name}", mutates_args=_written(entry.overload),
-            torch_kernel=entry.torch_kernel, cpu_kernel=entry.fake, cuda_kernel=entry.fake, fake=entry.fake,
-        )
-    return _TWINS[key]
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -544,6 +545,12 @@ def machine(settings: Settings) -> dict[str, Any]:
     return info
 
 
+def right_aligned(rows: list[list[str]]) -> list[str]:
+    """``rows`` (the header first) as indented lines, each column right-aligned to its widest cell."""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return ["  " + "  ".join(cell.rjust(w) for cell, w in zip(row, widths)) for row in rows]
+
+
 def _fmt(value: float | None, digits: int = 1) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 
@@ -565,9 +572,7 @@ def format_op_table(result: dict[str, Any]) -> str:
                 _fmt(r["ratio_vs_stepops"]["naive"], 2), _fmt(r["ratio_vs_stepops"]["compiled"], 2),
                 _fmt(r["compiled_speedup_vs_naive"], 2)]
         rows.append(row)
-    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
-    lines = [f"{result['op']}  (floor: {result['floor']})"]
-    lines += ["  " + "  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in rows]
+    lines = [f"{result['op']}  (floor: {result['floor']})", *right_aligned(rows)]
     bar = result["compiled_vs_naive"]
     verdict = {True: "met", False: "NOT met", None: "no such case in this run"}[bar["met"]]
     speedups = ", ".join(f"{case} {_fmt(s, 1)}x" for case, s in bar["speedups"].items())

@@ -207,7 +207,7 @@ def test_no_op_twins_have_the_op_schema():
     """The twins are registered like the ops (same schema, same dispatch keys), only their kernels differ."""
     for op in OPS:
         entry = registered_op(op)
-        for how in ("register_op", "custom_op"):
+        for how in ("register_op", "checks", "custom_op"):
             twin = harness.noop_twin(entry, how)
             assert str(twin._schema).split("::", 1)[1] == str(entry.overload._schema).split("::", 1)[1]
         twin = harness.noop_twin(entry)
