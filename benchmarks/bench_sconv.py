@@ -57,14 +57,15 @@ def _block_table(prior_lens, new_lens, block_size: int, gen: torch.Generator) ->
 def _workload(case: Case, device: torch.device, offset: int, width: int, salt: str = "") -> Workload:
     gen = case_generator(case, salt)
     prior_lens, new_lens = case.params["prior_lens"], case.params["new_lens"]
-    block_size, kernel_size, heads = LAYOUT.kernel_size, LAYOUT.kernel_size, LAYOUT.local_num_kv_heads
+    kernel_size, heads = LAYOUT.kernel_size, LAYOUT.local_num_kv_heads
+    block_size = kernel_size  # the layout's default N: one block per conv window
     table, num_blocks = _block_table(prior_lens, new_lens, block_size, gen)
     tokens = case.num_tokens
     metadata = step_metadata(prior_lens, new_lens, table.to(device), block_size, tokens)
     channels = heads * width
     x = torch.randn(tokens, channels, generator=gen).to(device=device, dtype=torch.bfloat16)
     weight = torch.randn(kernel_size, channels, generator=gen).to(device=device).t()  # fp32, tap-major
-    cache_shape = LAYOUT.cache_shape(num_blocks)
+    cache_shape = LAYOUT.cache_shape(num_blocks, block_size)
     cache = torch.rand(cache_shape, generator=gen).to(device=device, dtype=torch.bfloat16)
 
     row = channels * x.element_size()

@@ -44,6 +44,8 @@ mkdir -p "$out"
 # The GPU machines' interpreter is python3 (with their CUDA torch); a checkout's .venv holds a CPU wheel.
 py="${PYTHON:-$(command -v python3 || command -v python || echo python3)}"
 export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
+# stepops' launches state FP fusion; Inductor's generated Triton kernels leave it to Triton's default, which
+# Triton 3.9 warns that 3.10 changes: pin today's default (on) unless the caller set one.
 export TRITON_DEFAULT_FP_FUSION="${TRITON_DEFAULT_FP_FUSION:-1}"
 summary="$out/summary.txt"
 declare -a done_parts=()

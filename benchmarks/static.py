@@ -26,7 +26,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-# The estimate's constants (an H200; a GPU run replaces them with measurements):
+# The estimate's constants (an H200; stated assumptions: benchmarks/gpu_check.sh measures real launches):
 # - the cost of one kernel in a step, launch latency and grid drain: of the order of 2 µs between dependent
 #   kernels on H100-class GPUs launched from the host, somewhat less under CUDA-graph replay (an assumption
 #   until benchmarks/gpu_check.sh measures it; docs/performance.md gives the ratios at 0 and 1 µs too);
@@ -55,15 +55,16 @@ def _decode_workloads():
             yield op, case, module.build(case, torch.device("cpu"))
 
 
-def estimate_us(round_trips: int, floor_bytes: int) -> float:
-    """One launch: ``LAUNCH_US + round_trips * MEMORY_LATENCY_US + floor_bytes / bandwidth``."""
-    return LAUNCH_US + round_trips * MEMORY_LATENCY_US + floor_bytes / BANDWIDTH_BYTES_PER_US
+def _latency_us(round_trips: int) -> float:
+    """What one kernel launch waits for besides moving bytes: ``LAUNCH_US + round_trips * MEMORY_LATENCY_US``."""
+    return LAUNCH_US + round_trips * MEMORY_LATENCY_US
 
 
 def _estimate(op: str, case, floor_bytes: int, kernels: list[dict]) -> dict:
-    """One row: the op's kernels at this step (each launch pays its own launch and round trips)."""
+    """One row: the op's kernels at this step, each paying its own launch and round trips, plus the op's
+    byte floor at the bandwidth."""
     floor_us = floor_bytes / BANDWIDTH_BYTES_PER_US
-    total = sum(estimate_us(k["load_round_trips"], 0) for k in kernels) + floor_us
+    total = sum(_latency_us(k["load_round_trips"]) for k in kernels) + floor_us
     return {
         "op": op,
         "case": case.name,
