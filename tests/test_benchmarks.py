@@ -116,7 +116,8 @@ def test_step_cases_close_a_region_and_cover_the_bars_cases():
     assert all(16 <= p <= 1024 for p in step.params["prior_lens"]) and step == decode(256)
     step = verify(16)
     assert (step.name, step.num_tokens, step.params["prior_lens"][0]) == ("verify_k3_r16", 64, 1020)
-    assert (1020 + VERIFY_TOKENS) % 8 == 0  # positions 1020..1023: the step's last token closes the region
+    # Request 0 writes positions 1020..1023: the step's last token closes its region.
+    assert step.params["new_lens"][0] == VERIFY_TOKENS and (1020 + step.params["new_lens"][0]) % 8 == 0
     step = prefill(4, 512, prior=512)
     assert (step.name, step.num_tokens, step.params["prior_lens"]) == ("prefill_4x512_cont", 2048, [512] * 4)
     for quick in (True, False):
