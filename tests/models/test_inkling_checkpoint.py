@@ -228,6 +228,17 @@ def test_release_style_config_names_load_as_transformers_reads_them(checkpoint, 
     assert load_inkling(path).config == load_inkling(checkpoint).config
 
 
+def test_a_zero_dense_intermediate_size_is_read_as_transformers_reads_it():
+    """transformers swaps the widths whenever ``dense_intermediate_size`` is not None, a 0 included (every MLP
+    sparse: no dense width is read)."""
+    saved = InklingTextConfig(**HF_CONFIG).to_dict() | {"dense_intermediate_size": 0}
+    saved["mlp_layer_types"] = ["sparse"] * HF_CONFIG["num_hidden_layers"]
+    hf_config = InklingTextConfig(**saved)
+    config = config_from_transformers(saved)
+    assert (hf_config.intermediate_size, hf_config.moe_intermediate_size) == (0, HF_CONFIG["intermediate_size"])
+    assert (config.intermediate_size, config.moe_intermediate_size) == (0, HF_CONFIG["intermediate_size"])
+
+
 def test_an_alias_next_to_its_name_wins_as_in_transformers(checkpoint, tmp_path):
     path = single_file_copy(checkpoint, tmp_path, config_edit=_aliases_next_to_their_names)
     hf_config = InklingTextConfig.from_pretrained(path)

@@ -365,7 +365,7 @@ def test_a_step5_step_further_back_than_the_csa_rings_keep_is_refused():
     """A step of 8 tokens at 11 (7 drafts against k = 3) stored position 18 in ring row 8 (capacity 10 =
     7 + k); with 3 accepted, the next step at 15 closes region 1 and would replay position 8 from that row.
     Before: accepted, and later outputs differed from the step5_reference oracle. Stepping back
-    ``max_rollback`` (3) and restarting at 0 are accepted."""
+    ``max_rollback`` (3) and restarting at 0 are accepted; a shorter step in between leaves the bound at 19."""
     torch.manual_seed(0)
     model = Step5Model(Step5Config(layer_types=("csa",), moe_layers=()))
     runner = StepRunner(model, max_requests=1, max_model_len=32, max_tokens=16, device="cpu")
@@ -377,6 +377,9 @@ def test_a_step5_step_further_back_than_the_csa_rings_keep_is_refused():
         runner.step([ScheduledRequest(0, 15, _x(runner, 1))])
     assert snapshot.changed_bytes() == 0
     runner.step([ScheduledRequest(0, 16, _x(runner, 1))])
+    # A shorter step does not undo what the long one stored: position 18 still sits in position 8's row.
+    with pytest.raises(ValueError, match=r"slot 0: start 15 steps back 4 positions from 19, .* CSA rings keep 3"):
+        runner.step([ScheduledRequest(0, 15, _x(runner, 1))])
     runner.step([ScheduledRequest(0, 0, _x(runner, 3))])
     runner.step([ScheduledRequest(0, 3, _x(runner, 2))])  # the restarted request goes on from what it fed
 

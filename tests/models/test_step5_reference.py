@@ -207,10 +207,12 @@ def test_fp8_experts_compute_the_reference_fp8_gemm(round_inputs, bf16_projectio
     if not round_inputs:
         monkeypatch.setattr(step5, "round_to_e4m3_blocks", lambda x: x.float())
     h = torch.randn(64, config.hidden_size, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    h[1], h[2, :128] = 0, 0  # an all-zero 128-block takes the scale's floor (1e-10), not 0 (0 / 0: NaN)
     small = h[: moe.small_step_max_tokens]  # a step that gathers the chosen experts: the other path
     with torch.inference_mode():
         got = torch.cat([moe(h), moe(small)])
         want = torch.cat([reference._moe(config, checkpoint, layer, h), reference._moe(config, checkpoint, layer, small)])
+    assert got.isfinite().all() and want.isfinite().all()
     equal = float((got == want).float().mean())
     assert (equal >= _FP8_MOE_EQUAL_FRACTION) == round_inputs, equal
 

@@ -333,6 +333,7 @@ def test_unused_int_fields_are_still_ints(kwargs, match):
     "kwargs, error, match",
     [
         ({"low_freq_factor": 4.0, "high_freq_factor": 1.0}, ValueError, "low_freq_factor < high_freq_factor"),
+        ({"low_freq_factor": 4.0, "high_freq_factor": 4.0}, ValueError, "low_freq_factor < high_freq_factor"),
         ({"factor": 0.0}, ValueError, "factor > 0"),
         ({"factor": float("inf")}, ValueError, "a finite factor > 0"),  # was accepted
         ({"high_freq_factor": float("inf")}, ValueError, "low_freq_factor < high_freq_factor, finite"),
@@ -420,6 +421,22 @@ def test_a_config_reads_per_layer_settings_as_the_reference():
     assert config.vocab_size == 128896  # Step4Config's defaults
     assert config.eos_token_ids == (1, 2)
     assert config.layer_types == (CSA,) and config.sliding_window == Step5Config().sliding_window
+
+
+def test_keys_a_config_leaves_out_take_the_reference_defaults():
+    """Step4Config's and Step4SparseConfig's defaults for the keys a config may leave out; the last of the
+    three layer types is the one MTP layer that ``num_nextn_predict_layers`` (default 1) implies."""
+    reference = _reference_config(["sliding_attention", "full_attention", "full_attention"])
+    for key in ("sliding_window", "num_nextn_predict_layers", "rms_norm_eps", "rope_theta", "partial_rotary_factors"):
+        del reference[key]
+    for key in ("sparse_indexer_rope_dim", "sparse_indexer_num_heads", "topk"):
+        del reference["sparse_config"][key]
+    config = step5_config_from_reference(reference)
+    assert config.layer_types == (SLIDING, CSA)
+    assert (config.sliding_window, config.index_top_k, config.index_num_heads, config.index_rope_dim) == (512, 512, 16, 32)
+    assert (config.rms_norm_eps, config.sliding_rope_theta, config.csa_rope_theta) == (1e-5, 1e4, 1e4)
+    assert config.csa_partial_rotary_factor == 1.0
+    assert (config.moe_router_scaling_factor, config.moe_renormalize, config.head_wise_attn_gate) == (3.0, True, True)
 
 
 _TYPES = ["sliding_attention", "full_attention", "full_attention"]
