@@ -22,12 +22,15 @@ _FP8_E4M3_MIN_NORMAL = tl.constexpr(0.015625)
 def round_fp32_to_bf16(x):
     """fp32 -> the nearest bf16 value (ties to even), still as fp32 (its low 16 bits are zero).
 
-    Adding ``0x7FFF + lsb`` before dropping the low 16 bits is PyTorch's rounding. NaN keeps its own bits
-    (the carry could turn a NaN into Inf). fp32 subnormals: the interpreter (numpy) flushes them.
+    Adding ``0x7FFF + lsb`` before dropping the low 16 bits is PyTorch's rounding. A NaN is not rounded (the
+    carry could turn it into Inf or flip its sign): it keeps its sign and high bits with the quiet bit set,
+    so its low 16 bits are zero too and any later cast to bf16, truncating or not, is a NaN (``0x7F800001``
+    truncated is Inf). fp32 subnormals: the interpreter (numpy) flushes them.
     """
     bits = x.to(tl.uint32, bitcast=True)
-    bits = (bits + (0x7FFF + ((bits >> 16) & 1))) & 0xFFFF0000
-    return tl.where(x != x, x, bits.to(tl.float32, bitcast=True))
+    rounded = (bits + (0x7FFF + ((bits >> 16) & 1))) & 0xFFFF0000
+    quiet_nan = (bits | 0x00400000) & 0xFFFF0000
+    return tl.where(x != x, quiet_nan, rounded).to(tl.float32, bitcast=True)
 
 
 @triton.jit

@@ -29,8 +29,10 @@ def test_rounding_helpers_match_torch_casts():
     # NaN enters as bf16 bits (the kernels feed the helper bf16-rounded values): torch's own fp32 -> bf16
     # cast of NaN is path-dependent (vectorised CPU code gives 0xFFFF whatever the sign), bf16 -> fp8 is not.
     nans = torch.tensor([0x7FC0, -0x0040, 0x7F81, -0x007F], dtype=torch.int16).view(torch.bfloat16)
+    # fp32 NaNs whose low 16 bits carry into the exponent (or wrap the sign) under the rounding's add.
+    payload_nans = torch.tensor([0x7FFFFFFF, -1, 0x7F800001, -0x007FFFFF], dtype=torch.int32).view(torch.float32)
     random = (torch.randn(4096) * torch.exp2(torch.randint(-60, 60, (4096,)).float())).float()
-    x = torch.cat([fp8_inputs, nans.float(), random])
+    x = torch.cat([fp8_inputs, nans.float(), payload_nans, random])
     device = triton_device()
     bf16 = torch.empty(x.shape, dtype=torch.bfloat16, device=device)
     fp8 = torch.empty(x.shape, dtype=torch.uint8, device=device)
@@ -49,3 +51,6 @@ def test_rounding_helpers_match_torch_casts():
     expected_nan = nans.clamp(-448, 448).to(torch.float8_e4m3fn).view(torch.uint8)
     assert expected_nan.tolist() == [0x7F, 0xFF, 0x7F, 0xFF]
     assert torch.equal(fp8.cpu()[n : n + nans.numel()], expected_nan)
+    payload = slice(n + nans.numel(), n + nans.numel() + payload_nans.numel())
+    assert bf16.cpu()[payload].isnan().all(), bf16.cpu()[payload].view(torch.int16)
+    assert fp8.cpu()[payload].tolist() == [0x7F, 0xFF, 0x7F, 0xFF]
