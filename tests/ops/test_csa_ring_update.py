@@ -100,6 +100,10 @@ STEPS = {
     # Chunks of 7 starting at every position mod 8 (0..7): the leader's close comes at each offset 0..6
     # of its chunk (or not at all), and picks that token's summary slot.
     "chunks_of_7_start_at_every_position_mod_8": ([7] * 8, list(range(7, 15)), 10, 12),
+    # Chunks of capacity + 2 starting at every position mod 8 (8..15): a close at offset 7 or later replays
+    # the step's own inputs; the first close, at offset 0..6, is the leader's ring replay, which reads its
+    # ring rows before its deferred stores land on them (a non-leader replaying from the ring raced them).
+    "chunks_of_capacity_plus_2_start_at_every_position_mod_8": ([12] * 8, list(range(20, 28)), 10, 12),
     # Request 0 ends at position 6, one before a close; request 1's token 7 closes right after it in the
     # step: request 0's program must not take request 1's close as its own (its first close is past its chunk).
     "request_ends_one_before_the_next_closes": ([1, 1], [7, 8], 8, None),
