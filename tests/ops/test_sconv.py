@@ -621,3 +621,39 @@ def test_triton_counts_a_bad_token_once_when_its_row_spans_several_programs():
     assert errors.tolist() == [1]
     assert torch.equal(cache[0, :, 0].cpu(), x[0].view(heads, width).cpu())
     assert int(torch.count_nonzero(cache[:, :, 1:].cpu())) == 0 and int(torch.count_nonzero(cache[1].cpu())) == 0
+
+
+@pytest.mark.parametrize("kernel", sorted(_KERNELS))
+def test_a_padding_token_stores_nothing_whatever_its_slot(kernel):
+    """Padding is ``token_request == -1``: a padding token whose ``slot_mapping`` entry still holds a real
+    slot (a stale step buffer) stores nothing there, and its row of y is 0."""
+    device = triton_device() if kernel == "triton" else torch.device("cpu")
+    x, weight, cache, block_table, metadata, offset = _step(
+        InklingStream.K, prior_lens=[5], new_lens=[2], num_tokens=4, device=device
+    )
+    stale = metadata.slot_mapping.clone()
+    stale[2:] = torch.tensor([0, 1], dtype=stale.dtype)  # slots 0 and 1: rows no real token of the step writes
+    assert metadata.token_request[2:].eq(-1).all() and not set(stale[2:].tolist()) & set(stale[:2].tolist())
+    want_cache = cache.clone()
+    want_y = _KERNELS[kernel](x, weight, want_cache, block_table, metadata, offset)
+    y = _KERNELS[kernel](x, weight, cache, block_table, metadata._replace(slot_mapping=stale), offset)
+    assert torch.equal(_base(cache), _base(want_cache)) and torch.equal(y, want_y)
+    assert y[2:].eq(0).all()
+
+
+def test_triton_never_reads_x_rows_before_x_for_a_bad_chunk_start():
+    """A token whose chunk start is below 0 (a bad id: counted) has taps that would reach rows before x's
+    first; they read 0, not the memory before x (here NaN): y = x * w_last + x = 2."""
+    device = triton_device()
+    heads, width, block_size = 1, 8, 4
+    cache = torch.zeros(2, heads, block_size, width, dtype=torch.bfloat16, device=device)
+    buffer = torch.full((7, heads * width), float("nan"), dtype=torch.bfloat16, device=device)
+    buffer[6] = 1.0
+    x = buffer[6:]
+    weight = torch.ones(heads * width, 4, dtype=torch.bfloat16, device=device)
+    block_table = torch.tensor([[0, 1]], dtype=torch.int32, device=device)
+    metadata = [torch.tensor([v], dtype=torch.int32, device=device) for v in (0, -3, 5, 5)]  # chunk start -3
+    errors = error_counter(device)
+    y = sconv_triton(x, weight, cache, block_table, *metadata, 0, errors=errors)
+    assert errors.tolist() == [1]
+    assert torch.equal(y.cpu(), torch.full((1, heads * width), 2.0, dtype=torch.bfloat16))
