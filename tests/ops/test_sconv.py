@@ -525,6 +525,8 @@ def test_build_sconv_metadata_rejects_bad_block_size_and_table():
         build_sconv_metadata(qsl, seq_lens, table.long(), 4, 4)
     with pytest.raises(ValueError, match="rows"):
         build_sconv_metadata(qsl, seq_lens, torch.zeros(2, 2, dtype=torch.int32), 4, 4)
+    with pytest.raises(ValueError, match=r"max_blocks >= 1, got torch.int32 \(1, 0\)"):
+        build_sconv_metadata(qsl, seq_lens, torch.zeros(1, 0, dtype=torch.int32), 4, 4)
     # meta tensors stand in for a second device on a CPU-only machine.
     with pytest.raises(ValueError, match="build_sconv_metadata: query_start_loc is on cpu, block_table on meta"):
         build_sconv_metadata(qsl, seq_lens, table.to("meta"), 4, 4)

@@ -125,6 +125,8 @@ def test_op_builders_derive_from_given_token_metadata():
         short = build_token_metadata(qsl, seq_lens, num_tokens + 1)
         with pytest.raises(ValueError, match=rf"token.request must be int32 \[{num_tokens}\]"):
             build(token=short)
+        with pytest.raises(ValueError, match=rf"token.request must be int32 \[{num_tokens}\] \(num_tokens\), got torch.int64"):
+            build(token=type(token)(*(t.long() for t in token)))
 
 
 def test_ids_past_int32_saturate_and_the_ops_refuse_them():

@@ -86,6 +86,7 @@ def _sample(
     block_gap: int = 0,
     weight_dtype: torch.dtype = torch.bfloat16,
     tap_major: bool = False,
+    channel_major_x: bool = False,
     residual: bool = True,
     silu: bool = False,
     layout: InklingConvStateLayout = SAMPLE_LAYOUT,
@@ -100,6 +101,8 @@ def _sample(
     metadata = step_metadata(prior_lens, new_lens, block_table, n, num_tokens)
     channels = layout.local_num_kv_heads * width
     x = torch.randn(num_tokens, channels, generator=generator, device="cpu").to(device=device, dtype=torch.bfloat16)
+    if channel_major_x:  # y is still a new token-major tensor, whatever x's strides
+        x = x.t().contiguous().t()
     weight = torch.randn(channels, layout.kernel_size, generator=generator, device="cpu")
     weight = weight.to(device=device, dtype=weight_dtype)
     if tap_major:
@@ -177,6 +180,10 @@ def samples(device: torch.device) -> Iterator[SampleInput]:
         tap_major=True,
         layout=THREE_HEAD_LAYOUT,
     )
+    yield _sample(
+        "channel_major_x", device, seed=19, prior_lens=[4, 1], new_lens=[3, 2], num_tokens=6, stream=InklingStream.V,
+        channel_major_x=True,
+    )  # fmt: skip
     yield _sample("empty_t0", device, seed=15, prior_lens=[3], new_lens=[0], num_tokens=0, stream=InklingStream.K)
     yield _sample("no_requests_r0", device, seed=16, prior_lens=[], new_lens=[], num_tokens=2, stream=InklingStream.V)
     yield _sample(
