@@ -24,16 +24,28 @@ from stepops.ops.csa_ring_update.triton_kernel import exp_fp32 as triton_exp_fp3
 _F = np.float32
 
 
+def _halfway_inputs() -> np.ndarray:
+    """Every fp32 x in [-87.5, 0] whose fp32 product ``x * log2(e)`` is exactly ``-(k + 1/2)``: where the
+    reduction's ``n = floor(x log2e + 1/2)`` and round-half-to-even pick different ``n`` (1 in 8000 of the
+    sampled patterns would only reach them by chance)."""
+    log2e = _F(1 / np.log(2))
+    centers = (-(np.arange(126) + 0.5) * np.log(2)).astype(_F).view(np.uint32).astype(np.int64)
+    candidates = (centers[:, None] + np.arange(-16, 17)).astype(np.uint32).view(_F).ravel()
+    halfway = candidates[np.modf(candidates * log2e)[0] == _F(-0.5)]
+    assert halfway.size >= 100, halfway.size  # most k have one; a mistaken search would find none
+    return halfway
+
+
 def _inputs() -> np.ndarray:
     """Every 1021st fp32 bit pattern from -0 down to -87.5 (about a million values, every binade and
-    every reduction interval), special values and the ends of the range."""
+    every reduction interval), the halfway points of the reduction, special values and the ends of the range."""
     low, high = np.array([-0.0, -87.5], dtype=_F).view(np.uint32)
     sampled = np.arange(low, high + 1, 1021, dtype=np.uint64).astype(np.uint32).view(_F)
     special = np.array(
         [0.0, -0.0, -1e-45, -1e-38, -1e-30, -0.5 * np.log(2), -np.log(2), -1.0, -86.99, -87.0, -87.00001,
          -87.3, -88.0, -100.0, -3e38, -np.inf, np.nan], dtype=_F,
     )  # fmt: skip
-    return np.concatenate([sampled, special, -np.arange(0, 88, dtype=_F) * _F(np.log(2))])
+    return np.concatenate([sampled, _halfway_inputs(), special, -np.arange(0, 88, dtype=_F) * _F(np.log(2))])
 
 
 def test_numpy_reference_is_accurate():
