@@ -310,6 +310,14 @@ def test_allocator_reads_a_backend_as_vllm_does_and_names_what_it_lacks():
     owner = Owner()
     allocate_kv_caches({"x": owner}, 2)
     assert owner.kv_cache.shape == (2, 16, 1, 128) and owner.kv_cache.is_contiguous()  # K and V packed
+
+    class Larger(Owner):  # a 6144-byte page, which x's 4096 bytes do not divide
+        def get_kv_cache_spec(self):
+            return _full(16, 1, 96)
+
+    # Without the declaration x's blocks may only be scaled, never padded (vLLM reads it so).
+    with pytest.raises(ValueError, match="layer x: its 4096-byte page does not divide .* neither scaled nor padded"):
+        allocate_kv_caches({"x": Owner(), "larger": Larger()}, 2)
     VllmLike.shape = (2, -16, 1, -128)  # -> as_strided's "Negative strides are not supported"
     with pytest.raises(ValueError, match=r"VllmLike: cache shape \(2, -16, 1, -128\) must be positive ints"):
         allocate_kv_caches({"x": Owner()}, 2)
