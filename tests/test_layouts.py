@@ -517,3 +517,5 @@ def test_inkling_bind_rejects_mismatched_caches():
         layout.bind(torch.zeros(3, 4, 2, 32, dtype=bf16).transpose(1, 2))  # NHD, not HND
     with pytest.raises(ValueError, match="blocks overlap"):
         layout.bind(torch.zeros(3 * 256, dtype=bf16).as_strided((3, 2, 4, 32), (200, 128, 32, 1)))
+    with pytest.raises(ValueError, match="block stride 255 elements is less than one 256-element page"):
+        layout.bind(torch.zeros(3 * 256, dtype=bf16).as_strided((3, 2, 4, 32), (255, 128, 32, 1)))  # one shared

@@ -15,6 +15,17 @@ from stepops.testing import copy_as_views
 _OTHER_DEVICES = ["meta", *(["cuda"] if torch.cuda.is_available() else [])]
 
 
+def test_a_guarded_view_has_pad_elements_on_both_sides():
+    """The guard bytes the write checks compare: ``pad`` elements before the view's first element and after
+    its last (a view at offset 0 would let a write just before it go unseen)."""
+    source = torch.arange(24, dtype=torch.float32).view(4, 6)[:, ::2]
+    for pad in (1, 64):
+        view = guarded(source, pad=pad)
+        extent = 1 + sum((size - 1) * stride for size, stride in zip(view.shape, view.stride()))
+        assert torch.equal(view, source) and view.stride() == source.stride()
+        assert (view.storage_offset(), view.untyped_storage().nbytes()) == (pad, (extent + 2 * pad) * 4)
+
+
 @pytest.mark.parametrize("device", _OTHER_DEVICES)
 def test_a_guarded_view_keeps_its_layout_and_the_bytes_around_it(device):
     view = guarded(torch.arange(24, dtype=torch.float32).view(4, 6)[:, ::2])

@@ -12,7 +12,7 @@ from torch._dynamo.utils import counters
 import stepops.demo
 from stepops.cli import main
 from stepops.demo import checks_passed, largest, merge_rank_rows, within_bound
-from stepops.models.runner import Workload
+from stepops.models.runner import StepRunner, Workload
 
 
 def test_demo_reports_every_field(tmp_path, monkeypatch, capsys):
@@ -78,6 +78,27 @@ def test_demo_fails_when_a_mode_leaves_the_eager_run(tmp_path, monkeypatch, caps
         assert report["models"]["inkling"]["max_abs_err_vs_eager"] == "nan"
     out = capsys.readouterr().out
     assert re.search(r"^inkling +compiled .* NO ", out, re.MULTILINE) and "SOME CHECKS FAILED" in out
+
+
+def test_demo_fails_when_drafts_change_the_generated_tokens(tmp_path, monkeypatch, capsys):
+    """Greedy generation with drafts must give the tokens it gives without: a runner whose drafted run
+    changes one token fails the demo end to end (``same_with_drafts`` false, exit 1)."""
+    monkeypatch.setattr(stepops.demo, "WORKLOAD", Workload(prompt_lens=(5,), decode_lens=(2,), token_budget=8))
+    monkeypatch.setattr(stepops.demo, "_MODELS", tuple(m for m in stepops.demo._MODELS if m[0] == "inkling"))
+    generate = StepRunner.generate
+
+    def drafted_differs(self, prompts, max_new_tokens, **kwargs):
+        tokens = generate(self, prompts, max_new_tokens, **kwargs)
+        if kwargs.get("draft") is not None:
+            tokens[0][-1] = (tokens[0][-1] + 1) % self.model.config.vocab_size
+        return tokens
+
+    monkeypatch.setattr(StepRunner, "generate", drafted_differs)
+    path = tmp_path / "demo.json"
+    assert main(["demo", "--backend", "aot_eager", "--device", "cpu", "--json", str(path)]) == 1
+    report = json.loads(path.read_text())
+    assert report["models"]["inkling"]["generation"]["same_with_drafts"] is False and report["ok"] is False
+    assert "DIFFERENT tokens" in capsys.readouterr().out
 
 
 def test_checks_passed_fails_on_each_check_alone():

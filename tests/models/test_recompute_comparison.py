@@ -36,10 +36,10 @@ def test_the_comparison_reports_known_errors_exactly():
     # 3 leaves more earlier regions than index_top_k, are left out, with the large error in row 28.
     outputs[0][28, 0] += 100.0
 
-    def compare(atol: float):
+    def compare(atol: float, rtol: float = 0.0):
         return compare_with_recompute(
             model, inputs, outputs, near_tie_margin=2.0, state_dict=checkpoint,
-            tolerance=Tolerance(atol=atol, rtol=0.0, why="the placed error"),
+            tolerance=Tolerance(atol=atol, rtol=rtol, why="the placed error"),
         )  # fmt: skip
 
     comparison = compare(error)
@@ -49,3 +49,8 @@ def test_the_comparison_reports_known_errors_exactly():
     assert comparison.differing_fraction == 1 / (36 * config.hidden_size)
     assert comparison.within_bound is True
     assert compare(error / 2).within_bound is False
+    # rtol scales the recompute's |value| (the oracle's), not the output's, which the error made larger here.
+    wanted, got = abs(float(want_row[column])), abs(float(outputs[0][10, column]))
+    assert got > 1.1 * wanted > 0
+    assert compare(0.0, rtol=1.01 * error / wanted).within_bound is True
+    assert compare(0.0, rtol=0.99 * error / wanted).within_bound is False

@@ -121,6 +121,21 @@ def test_step5_drafts_are_cut_to_what_its_rings_can_roll_back():
     assert runner.generate([[5, 9, 2]], 12, draft=wrong) == plain
 
 
+def test_drafts_fill_at_most_the_room_a_step_has_left():
+    """generate: a draft longer than the step's budget is cut to the room its pending token leaves (a step of
+    5 tokens at max_tokens 4 before); run_workload: a verify turn with fewer budget tokens left than drafts
+    carries fewer drafts."""
+    torch.manual_seed(0)
+    model = InklingModel()
+    runner = StepRunner(model, max_requests=1, max_model_len=32, max_tokens=4, device="cpu", inputs="tokens")
+    plain = runner.generate([[1, 2, 3]], 8)
+    assert runner.generate([[1, 2, 3]], 8, draft=lambda i, seq: [5] * 10) == plain
+    workload = Workload(prompt_lens=(2, 2, 2), decode_lens=(4, 4, 4), num_speculative_tokens=3, token_budget=5)
+    runner = StepRunner(model, max_requests=3, max_model_len=workload.max_len, max_tokens=5, device="cpu")
+    result = run_workload(runner, workload, model.config.hidden_size)
+    assert result.verify_turns > 0
+
+
 def test_max_tokens_1_runs_only_1_token_steps():
     """Its steps are padded to 2 (a size of 1 would compile a second graph), but 2 real tokens were taken."""
     def make(max_tokens):
