@@ -30,9 +30,11 @@ from stepops.testing.tolerances import Tolerance
 # two correct implementations: a score is a sum over the group's indexer heads of products of e4m3-rounded
 # inputs, and an input one bf16 ulp apart (another sum order upstream) can land on the next e4m3 code. A
 # flipped choice changes the token's attention by O(1). Measured, not derived: on CPU no flip outside 2**-10
-# over the long runs; on an H200 (torch 2.11, Triton 3.6) every row of the 17 Step5 workloads of
-# tests/models/test_incremental.py was within model_vs_recompute with no row left out at all. At 2**-10 at
-# most 22 of 240 rows are left out (a CSA layer first); 2**-5 left out up to 150 of 240 on either device.
+# over the named configs' long runs (one drawn config flipped one end to end: see
+# test_step5_random_configs_match_the_recompute_layer_by_layer); on an H200 (torch 2.11, Triton 3.6) every row
+# of the 17 Step5 workloads of tests/models/test_incremental.py was within model_vs_recompute with no row left
+# out at all. At 2**-10 at most 22 of 240 rows are left out (a CSA layer first); 2**-5 left out up to 150 of
+# 240 on either device.
 NEAR_TIE_MARGIN = 2**-10
 # Left-out rows must stay few, or the comparison would say little: at NEAR_TIE_MARGIN, none of the 93 rows of
 # the short workloads and at most 22 of 240 of the long ones (a near tie in a CSA layer before the last marks
