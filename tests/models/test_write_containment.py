@@ -31,13 +31,13 @@ tensor-parallel rank (:func:`run_contained_steps`).
 from __future__ import annotations
 
 import contextlib
-import os
 import warnings
 
 import pytest
 import torch
 from torch._dynamo.utils import counters
 
+from stepops._triton import interpreting
 from stepops.layouts import ROW_BYTES
 from stepops.models import InklingConfig, InklingModel, Step5Config, Step5Model
 from stepops.models.inkling import DENSE
@@ -312,7 +312,7 @@ def _triton_kernels_on_cpu():
 )
 def test_a_step_writes_only_its_own_rows_with_the_triton_kernels(kind, config, first_chunk):
     pytest.importorskip("triton")
-    if os.environ.get("TRITON_INTERPRET") != "1":
+    if not interpreting():
         pytest.skip("the Triton kernels run on CPU tensors only under TRITON_INTERPRET=1")
     with _triton_kernels_on_cpu():
         checker = run_contained_steps(_model(kind, config), None, first_chunk=first_chunk)
