@@ -343,18 +343,11 @@ def noop_twin(entry, how: str = "register_op") -> torch._ops.OpOverload:
     key = (entry.name, how)
     if key in _TWINS:
         return _TWINS[key]
+    if how not in ("register_op", "checks", "custom_op"):
+        raise ValueError(f"how must be 'register_op', 'checks' or 'custom_op', got {how!r}")
     written = _written(entry.overload)
-    if how in ("register_op", "checks"):
-        from stepops._library import register_op
-
-        kernel = _noop_kernel(entry.overload) if how == "register_op" else entry.fake
-        namespace = "stepops_twin" if how == "register_op" else "stepops_twin_checks"
-        _TWINS[key] = register_op(
-            f"{namespace}::{entry.name}", mutates_args=written, torch_kernel=entry.torch_kernel,
-            cpu_kernel=kernel, cuda_kernel=kernel, fake=entry.fake,
-        )  # fmt: skip
-    elif how == "custom_op":
-        kernel = _noop_kernel(entry.overload)
+    kernel = entry.fake if how == "checks" else _noop_kernel(entry.overload)
+    if how == "custom_op":
         schema = torch.library.infer_schema(entry.torch_kernel, mutates_args=written)
         twin = torch.library.custom_op(
             f"stepops_twin_custom_op::{entry.name}", kernel, mutates_args=written, device_types="cpu",
@@ -364,7 +357,13 @@ def noop_twin(entry, how: str = "register_op") -> torch._ops.OpOverload:
         twin.register_fake(entry.fake)
         _TWINS[key] = getattr(torch.ops.stepops_twin_custom_op, entry.name).default
     else:
-        raise ValueError(f"how must be 'register_op', 'checks' or 'custom_op', got {how!r}")
+        from stepops._library import register_op
+
+        namespace = "stepops_twin" if how == "register_op" else "stepops_twin_checks"
+        _TWINS[key] = register_op(
+            f"{namespace}::{entry.name}", mutates_args=written, torch_kernel=entry.torch_kernel,
+            cpu_kernel=kernel, cuda_kernel=kernel, fake=entry.fake,
+        )  # fmt: skip
     return _TWINS[key]
 
 
