@@ -1,10 +1,11 @@
-"""``torch.library.opcheck`` with all four utils over every sample of every op (float8 ones included)."""
+"""``torch.library.opcheck`` with all four utils over every sample of every op (float8 ones included),
+without and with the optional ``errors`` counter, a written argument of its own."""
 
 import pytest
 
 from stepops.testing import op_samples, run_opcheck
 
-_SAMPLES = list(op_samples())
+_SAMPLES = [call for sample in op_samples() for call in (sample, sample.with_error_counter())]
 
 
 @pytest.mark.parametrize("sample", _SAMPLES, ids=[s.name for s in _SAMPLES])

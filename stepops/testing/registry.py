@@ -10,6 +10,7 @@ import torch
 
 import stepops  # noqa: F401  (importing the package declares every op)
 from stepops._library import ErrorInput, registered_ops
+from stepops.ops.bounds import error_counter
 
 # All four opcheck utils run on every op and sample (run_opcheck). An exclusion must be added here, per op,
 # with the reason next to it; there is none. One util runs on another form of float8 arguments: test_schema
@@ -38,6 +39,13 @@ class OpSample:
 
     def __iter__(self):
         return iter((self.op, self.args, self.kwargs))
+
+    def with_error_counter(self) -> OpSample:
+        """The same call with a zeroed ``errors`` counter on the sample's device: the optional written argument
+        every stepops op takes (``stepops.ops.bounds``), which the samples leave out."""
+        device = next(a.device for a in self.args if isinstance(a, torch.Tensor))
+        kwargs = {**self.kwargs, "errors": error_counter(device)}
+        return OpSample(self.op, self.args, kwargs, f"{self.name}-errors")
 
 
 def op_samples(device: str | torch.device = "cpu", *, op_name: str | None = None) -> Iterator[OpSample]:
