@@ -253,7 +253,7 @@ def _linear(in_features: int, out_features: int, dtype: torch.dtype) -> nn.Linea
 def _conv_weight(channels: int, kernel_size: int) -> nn.Parameter:
     """An fp32 ``[channels, W]`` conv weight stored tap-major: loading a state dict copies into it, and
     ``.to()`` preserves its strides."""
-    return nn.Parameter((torch.randn(kernel_size, channels) * 0.3).t())
+    return nn.Parameter((torch.randn(kernel_size, channels, dtype=torch.float32) * 0.3).t())
 
 
 def fuse_kv(k: torch.Tensor, v: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
@@ -302,8 +302,8 @@ class InklingRouter(nn.Module):
         self.route_scale = c.route_scale
         self.weight = _randn(c.n_routed_experts + c.n_shared_experts, c.hidden_size, dtype=dtype)
         # fp32 whatever the model's dtype (transformers keeps both in fp32).
-        self.global_scale = nn.Parameter(torch.ones(1))
-        self.register_buffer("e_score_correction_bias", torch.zeros(c.n_routed_experts))
+        self.global_scale = nn.Parameter(torch.ones(1, dtype=torch.float32))
+        self.register_buffer("e_score_correction_bias", torch.zeros(c.n_routed_experts, dtype=torch.float32))
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         weights, gammas, _ = self.route(x)

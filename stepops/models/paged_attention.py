@@ -101,9 +101,9 @@ class _SoftmaxState(NamedTuple):
 
 def _softmax_start(rows_shape: tuple[int, ...], value_dim: int, device: torch.device) -> _SoftmaxState:
     return _SoftmaxState(
-        torch.full((*rows_shape, 1), _NO_MAX, device=device),
-        torch.zeros((*rows_shape, 1), device=device),
-        torch.zeros((*rows_shape, value_dim), device=device),
+        torch.full((*rows_shape, 1), _NO_MAX, dtype=torch.float32, device=device),
+        torch.zeros((*rows_shape, 1), dtype=torch.float32, device=device),
+        torch.zeros((*rows_shape, value_dim), dtype=torch.float32, device=device),
     )
 
 
