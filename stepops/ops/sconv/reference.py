@@ -49,7 +49,8 @@ def sconv_reference(
             elif q >= first:
                 tap = x[t - (p - q)].float()
             elif q // block_size >= block_table.shape[1] or int(block_table[r, q // block_size]) < 0:
-                tap = torch.zeros(x.shape[1], dtype=torch.float32, device=x.device)  # an unallocated block reads as zero
+                # an unallocated block reads as zero
+                tap = torch.zeros(x.shape[1], dtype=torch.float32, device=x.device)
             else:
                 block = int(block_table[r, q // block_size])
                 tap = cache[block, :, q % block_size, stream_offset : stream_offset + width].reshape(-1).float()
