@@ -46,6 +46,7 @@ import torch
 import torch.utils.benchmark as torch_benchmark
 
 from stepops._library import registered_op, written_arguments
+from stepops.testing.storage import storage_bytes
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 PROVIDERS = ("stepops", "naive", "compiled")
@@ -179,7 +180,7 @@ def copy_bandwidth_gbps(settings: Settings) -> float:
 
 def _storage(tensor: torch.Tensor) -> torch.Tensor:
     """Every element of the storage behind ``tensor`` (a view's gaps included), flat, in its dtype."""
-    flat = torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(tensor.untyped_storage())
+    flat = storage_bytes(tensor)
     return flat.view(tensor.dtype) if flat.numel() % tensor.element_size() == 0 else flat
 
 

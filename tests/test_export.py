@@ -12,7 +12,7 @@ import torch
 from torch.export.graph_signature import InputKind
 
 from stepops._library import written_arguments
-from stepops.testing import copy_as_views, op_samples
+from stepops.testing import copy_as_views, op_samples, storage_bytes
 
 _SAMPLES = [call for sample in op_samples() for call in (sample, sample.with_error_counter())]
 
@@ -26,10 +26,6 @@ class _Call(torch.nn.Module):
 
     def forward(self, *args, **kwargs):
         return self.op(*args, **kwargs)
-
-
-def _storage_bytes(tensor: torch.Tensor) -> torch.Tensor:
-    return torch.empty(0, dtype=torch.uint8).set_(tensor.untyped_storage())
 
 
 @pytest.mark.parametrize("sample", _SAMPLES, ids=[s.name for s in _SAMPLES])
@@ -55,4 +51,4 @@ def test_exported_program_writes_what_eager_writes(sample):
         assert exported_out is None and eager_out is None
     for name, exported, eager in zip([*names[:split], *kwargs], exported_call, eager_call):
         if isinstance(eager, torch.Tensor):
-            assert torch.equal(_storage_bytes(exported), _storage_bytes(eager)), name
+            assert torch.equal(storage_bytes(exported), storage_bytes(eager)), name

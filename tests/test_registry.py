@@ -9,7 +9,7 @@ import torch
 from expecttest import TestCase
 
 from stepops._library import NAMESPACE, declare_op, registered_op, registered_ops
-from stepops.testing import op_samples
+from stepops.testing import op_samples, storage_bytes
 
 
 def _namespace_op_names() -> set[str]:
@@ -83,7 +83,7 @@ def _layouts_and_bytes(calls) -> list:
     for call in calls:
         for value in (*call.args, *call.kwargs.values()):
             if isinstance(value, torch.Tensor):
-                storage = torch.empty(0, dtype=torch.uint8, device=value.device).set_(value.untyped_storage())
+                storage = storage_bytes(value)
                 value = (value.device, value.dtype, value.shape, value.stride(), value.storage_offset())
                 value = (*value, storage.tolist())
             described.append(value)

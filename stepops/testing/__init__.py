@@ -5,7 +5,7 @@ the indexing that lets fake CUDA tensors run the models' CUDA path on a CPU-only
 Builds on ``stepops.ops`` and ``stepops.models``; no other module of the package imports it.
 """
 
-from stepops.testing.storage import StorageSnapshot, copy_as_views
+from stepops.testing.storage import StorageSnapshot, copy_as_views, storage_bytes
 from stepops.testing.registry import (
     OPCHECK_UTILS,
     OpErrorInput,
@@ -28,4 +28,5 @@ __all__ = [
     "op_error_inputs",
     "op_samples",
     "run_opcheck",
+    "storage_bytes",
 ]

@@ -29,7 +29,7 @@ def copy_as_views(values: Iterable[object], device: torch.device | str | None = 
             target = value.device if device is None else torch.device(device)
             key = (value.untyped_storage().data_ptr(), value.device)
             if key not in storages:
-                storages[key] = _storage_bytes(value).to(target, copy=True)
+                storages[key] = storage_bytes(value).to(target, copy=True)
             view = torch.empty(0, dtype=value.dtype, device=target)
             storage = storages[key].untyped_storage()
             views[id(value)] = view.set_(storage, value.storage_offset(), value.shape, value.stride())
@@ -37,14 +37,14 @@ def copy_as_views(values: Iterable[object], device: torch.device | str | None = 
     return copied
 
 
-def _storage_bytes(tensor: torch.Tensor) -> torch.Tensor:
+def storage_bytes(tensor: torch.Tensor) -> torch.Tensor:
     """A uint8 view of every byte of ``tensor``'s storage."""
     return torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(tensor.untyped_storage())
 
 
 def _view_bytes(tensor: torch.Tensor) -> torch.Tensor:
     """Bool mask over the storage's bytes: True where ``tensor`` (a view of any strides) has an element."""
-    storage = _storage_bytes(tensor)
+    storage = storage_bytes(tensor)
     covered = torch.zeros(storage.numel(), dtype=torch.bool, device=tensor.device)
     if tensor.numel() == 0:
         return covered
@@ -63,12 +63,12 @@ class StorageSnapshot:
         self._tensors = [t for t in tensors if isinstance(t, torch.Tensor)]
         self._before: dict[int, torch.Tensor] = {}
         for t in self._tensors:
-            self._before.setdefault(t.untyped_storage().data_ptr(), _storage_bytes(t).clone())
+            self._before.setdefault(t.untyped_storage().data_ptr(), storage_bytes(t).clone())
 
     def changed_bytes(self) -> int:
         """How many bytes of all the storages differ from the snapshot."""
         return sum(
-            int((_storage_bytes(self._first(ptr)) != before).sum()) for ptr, before in self._before.items()
+            int((storage_bytes(self._first(ptr)) != before).sum()) for ptr, before in self._before.items()
         )
 
     def changed_outside_views(self) -> int:
@@ -79,7 +79,7 @@ class StorageSnapshot:
             for t in self._tensors:
                 if t.untyped_storage().data_ptr() == ptr:
                     inside |= _view_bytes(t)
-            total += int(((_storage_bytes(self._first(ptr)) != before) & ~inside).sum())
+            total += int(((storage_bytes(self._first(ptr)) != before) & ~inside).sum())
         return total
 
     def _first(self, ptr: int) -> torch.Tensor:

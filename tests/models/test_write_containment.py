@@ -42,13 +42,9 @@ from stepops.layouts import ROW_BYTES
 from stepops.models import InklingConfig, InklingModel, Step5Config, Step5Model
 from stepops.models.inkling import DENSE
 from stepops.models.runner import COMPILED, EAGER, ScheduledRequest, StepRunner, Workload, run_workload
+from stepops.testing import storage_bytes
 
 _REGION = 8
-
-
-def _bytes(tensor: torch.Tensor) -> torch.Tensor:
-    """A uint8 view of every byte of ``tensor``'s storage."""
-    return torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(tensor.untyped_storage())
 
 
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -94,7 +90,7 @@ class Geometry:
 
     def allowed(self, tables: dict[str, torch.Tensor], batch) -> dict[int, torch.Tensor]:
         """Storage pointer -> uint8 mask of the bytes the step ``batch`` may change."""
-        masks = {c.untyped_storage().data_ptr(): torch.zeros_like(_bytes(c)) for c in self.caches}
+        masks = {c.untyped_storage().data_ptr(): torch.zeros_like(storage_bytes(c)) for c in self.caches}
 
         def mask(cache):
             return masks[cache.untyped_storage().data_ptr()]
@@ -136,7 +132,7 @@ class ContainmentChecker:
         self.tables = {name: t.clone() for name, t in runner._tables.items()}  # the schedule's block tables
         gen = torch.Generator().manual_seed(1234)
         for cache in self.geometry.caches:  # random bytes: a write of anything shows
-            raw = _bytes(cache)
+            raw = storage_bytes(cache)
             raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=gen))
         self.params = {name: t.detach().clone() for name, t in runner.model.state_dict().items()}
         self._step = runner.step
@@ -144,7 +140,7 @@ class ContainmentChecker:
         self.steps = self.padded_steps = 0
 
     def step(self, batch):
-        before = {c.untyped_storage().data_ptr(): _bytes(c).clone() for c in self.geometry.caches}
+        before = {c.untyped_storage().data_ptr(): storage_bytes(c).clone() for c in self.geometry.caches}
         allowed = self.geometry.allowed(self.tables, batch)
         out = self._step(batch)
         total = sum(len(s.inputs) for s in batch)
@@ -152,7 +148,7 @@ class ContainmentChecker:
         self.padded_steps += self.runner.padded_size(total) > total
         for cache in self.geometry.caches:
             ptr = cache.untyped_storage().data_ptr()
-            changed = _bytes(cache) != before[ptr]
+            changed = storage_bytes(cache) != before[ptr]
             if total and not changed.any() and not any(cache is summary for summary in self.geometry.summaries):
                 # Every real token writes every KV cache, ring and conv state: the check is not vacuous.
                 raise AssertionError(f"step {self.steps} wrote nothing into {self._name(cache)}")

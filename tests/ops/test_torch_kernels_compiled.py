@@ -10,7 +10,7 @@ import torch
 from torch._dynamo.testing import CompileCounter
 
 from stepops._library import registered_ops
-from stepops.testing import op_samples
+from stepops.testing import op_samples, storage_bytes
 
 ALLOWED_GRAPH_BREAKS = {
     "paged_kv_write": 1,  # the bounds check's one host read (stepops.ops.bounds.any_bad_ids)
@@ -37,7 +37,7 @@ def _sample(name):
 def _state(args, out):
     """A copy of every byte behind every tensor argument (views' gaps included), and the output."""
     tensors = [a for a in args if isinstance(a, torch.Tensor)]
-    return [torch.empty(0, dtype=torch.uint8).set_(a.untyped_storage()).clone() for a in tensors] + [out]
+    return [storage_bytes(a).clone() for a in tensors] + [out]
 
 
 def _assert_compiled_keeps_eager_bytes(name, backend, **compile_kwargs):
