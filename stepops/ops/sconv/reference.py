@@ -41,16 +41,16 @@ def sconv_reference(
         if r < 0:
             continue
         first = p - (t - chunk_start[t])
-        acc = torch.zeros(x.shape[1], dtype=torch.float32, device=x.device)
+        zero = torch.zeros(x.shape[1], dtype=torch.float32, device=x.device)
+        acc = zero
         for j in range(kernel_size):
             q = p - (kernel_size - 1) + j
             if q < 0:
-                tap = torch.zeros(x.shape[1], dtype=torch.float32, device=x.device)
+                tap = zero
             elif q >= first:
                 tap = x[t - (p - q)].float()
             elif q // block_size >= block_table.shape[1] or int(block_table[r, q // block_size]) < 0:
-                # an unallocated block reads as zero
-                tap = torch.zeros(x.shape[1], dtype=torch.float32, device=x.device)
+                tap = zero  # an unallocated block reads as zero
             else:
                 block = int(block_table[r, q // block_size])
                 tap = cache[block, :, q % block_size, stream_offset : stream_offset + width].reshape(-1).float()
