@@ -407,13 +407,17 @@ CONFIG_VARIANTS = {
 }
 
 
-@pytest.mark.parametrize("variant", sorted(CONFIG_VARIANTS))
-def test_config_variants_equal_transformers(variant, tmp_path):
-    config = {**HF_CONFIG, **CONFIG_VARIANTS[variant]}
+def _equals_transformers(config: dict, tmp_path) -> None:
+    """A random checkpoint of ``config`` equals transformers' in fp32 layer by layer and in the bf16 steps."""
     checkpoint = save_random_inkling(tmp_path, config)
     hf32, hf16 = load_transformers_inkling(checkpoint, torch.float32), load_transformers_inkling(checkpoint, torch.bfloat16)
     _every_layer_equals_transformers_in_fp32(checkpoint, hf32)
     _steps_equal_transformers_in_bf16(checkpoint, hf16, hf32)
+
+
+@pytest.mark.parametrize("variant", sorted(CONFIG_VARIANTS))
+def test_config_variants_equal_transformers(variant, tmp_path):
+    _equals_transformers({**HF_CONFIG, **CONFIG_VARIANTS[variant]}, tmp_path)
 
 
 def _random_config(rng: random.Random) -> dict:
@@ -446,11 +450,7 @@ def test_random_configs_equal_transformers(seed, tmp_path):
     (random weights, 4-8 experts), which the bf16 check refuses as saying too little; one had a layer's
     largest error 2.1x transformers' bf16 one (``BF16_FACTOR`` 2), at one element one bf16 ulp from
     transformers' bf16 value: over 30 draws the ratio of the rms errors is 0.98 on average, at most 1.2."""
-    config = {**HF_CONFIG, **_random_config(random.Random(seed))}
-    checkpoint = save_random_inkling(tmp_path, config)
-    hf32, hf16 = load_transformers_inkling(checkpoint, torch.float32), load_transformers_inkling(checkpoint, torch.bfloat16)
-    _every_layer_equals_transformers_in_fp32(checkpoint, hf32)
-    _steps_equal_transformers_in_bf16(checkpoint, hf16, hf32)
+    _equals_transformers({**HF_CONFIG, **_random_config(random.Random(seed))}, tmp_path)
 
 
 def test_a_negative_log_scaling_floor_scales_by_one_as_in_transformers(tmp_path):
