@@ -439,6 +439,24 @@ def test_keys_a_config_leaves_out_take_the_reference_defaults():
     assert (config.moe_router_scaling_factor, config.moe_renormalize, config.head_wise_attn_gate) == (3.0, True, True)
 
 
+@pytest.mark.parametrize(
+    "yarn_only_types, scaled",
+    [(None, True), ([], True), (["full_attention"], True), (["sliding_attention"], False)],
+)
+def test_rope_scaling_reaches_the_layer_types_yarn_only_types_lists(yarn_only_types, scaled):
+    """Step4Config.rope_scaling_for: ``rope_scaling`` applies to a layer whose type ``yarn_only_types``
+    lists, and to every layer when that list is empty or absent. A number for ``rope_theta`` is every
+    layer's (Step4Config repeats it)."""
+    llama3 = {"rope_type": "llama3", "factor": 2.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+              "original_max_position_embeddings": 64}  # fmt: skip
+    reference = _reference_config(["full_attention"] * 3, rope_theta=5e5, rope_scaling=llama3)
+    if yarn_only_types is not None:
+        reference["yarn_only_types"] = yarn_only_types
+    config = step5_config_from_reference(reference)
+    assert config.csa_rope_theta == 5e5
+    assert config.csa_rope_scaling == (Llama3RopeScaling(2.0, 1.0, 4.0, 64) if scaled else None)
+
+
 _TYPES = ["sliding_attention", "full_attention", "full_attention"]
 
 
