@@ -88,8 +88,11 @@ def _truncate_first_shard(path):
         (lambda p: (p / "config.json").write_text("[]"), r"config.json: expected a JSON object, got list"),
         (lambda p: (p / "config.json").write_text("{"), r"config.json: not valid JSON"),
         (_truncate_first_shard, r"model-00001-of-\d+.safetensors: not a readable safetensors file"),
+        (lambda p: [f.unlink() for f in p.glob("model*.safetensors*")],
+         r"copy: no model.safetensors or model.safetensors.index.json"),
     ],
-    ids=["no_weight_map", "weight_map_not_names", "no_config", "config_not_an_object", "config_not_json", "truncated_shard"],
+    ids=["no_weight_map", "weight_map_not_names", "no_config", "config_not_an_object", "config_not_json", "truncated_shard",
+         "no_weights"],
 )
 def test_unreadable_checkpoint_files_are_errors_naming_the_file(checkpoint, tmp_path, edit, message):
     """Each was a KeyError, AttributeError, JSONDecodeError or SafetensorError naming no file."""
