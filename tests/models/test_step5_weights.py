@@ -71,13 +71,15 @@ def test_an_fp8_models_state_dict_loads_into_a_fresh_model():
 
 
 def test_fp8_dequantisation_uses_one_scale_per_128_block():
-    """Ragged blocks on both axes (200 x 300 = 2 x 3 blocks), against the recompute's per-block loop."""
+    """Ragged blocks on both axes (200 x 300 = 2 x 3 blocks) and whole ones, against a per-block loop."""
     gen = torch.Generator().manual_seed(0)
     weight = torch.randn(2, 200, 300, generator=gen).to(torch.float8_e4m3fn)
     scale = torch.rand(2, 2, 3, generator=gen) + 0.5
     got = dequantize_fp8_blocks(weight, scale)
     assert torch.equal(got, _dequantize_per_block(weight, scale))
     assert torch.equal(got[1, 150, 290], weight[1, 150, 290].float() * scale[1, 1, 2])
+    whole = weight[:, :128, :256]  # whole blocks (the release's shapes): no padding
+    assert torch.equal(dequantize_fp8_blocks(whole, scale[:, :1, :2]), _dequantize_per_block(whole, scale[:, :1, :2]))
     with pytest.raises(ValueError, match=r"weight_scale_inv must be \(2, 2, 3\)"):
         check_fp8_blocks("fp8 weight", weight, scale[:, :1])
     with pytest.raises(TypeError, match="float8_e4m3fn"):
