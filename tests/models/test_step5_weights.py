@@ -441,6 +441,10 @@ def test_keys_a_config_leaves_out_take_the_reference_defaults():
     assert (config.moe_router_scaling_factor, config.moe_renormalize, config.head_wise_attn_gate) == (3.0, True, True)
 
 
+_LLAMA3 = {"rope_type": "llama3", "factor": 2.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+           "original_max_position_embeddings": 64}  # fmt: skip
+
+
 @pytest.mark.parametrize(
     "yarn_only_types, scaled",
     [(None, True), ([], True), (["full_attention"], True), (["sliding_attention"], False)],
@@ -449,9 +453,7 @@ def test_rope_scaling_reaches_the_layer_types_yarn_only_types_lists(yarn_only_ty
     """Step4Config.rope_scaling_for: ``rope_scaling`` applies to a layer whose type ``yarn_only_types``
     lists, and to every layer when that list is empty or absent. A number for ``rope_theta`` is every
     layer's (Step4Config repeats it)."""
-    llama3 = {"rope_type": "llama3", "factor": 2.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-              "original_max_position_embeddings": 64}  # fmt: skip
-    reference = _reference_config(["full_attention"] * 3, rope_theta=5e5, rope_scaling=llama3)
+    reference = _reference_config(["full_attention"] * 3, rope_theta=5e5, rope_scaling=_LLAMA3)
     if yarn_only_types is not None:
         reference["yarn_only_types"] = yarn_only_types
     config = step5_config_from_reference(reference)
@@ -479,8 +481,7 @@ _TYPES = ["sliding_attention", "full_attention", "full_attention"]
           "partial_rotary_factors": [1.0, 1 / 3, 1 / 3, 1 / 3]}, r"rope_theta varies across the csa layers"),
         ({"rope_theta": [1e4, 5e6]}, r"rope_theta has 2 entries; the config has 3 layers"),
         ({"partial_rotary_factors": [0.5, 1 / 3, 1 / 3]}, r"partial_rotary_factors 0.5 on sliding layers"),
-        ({"rope_scaling": {"rope_type": "llama3", "factor": 2.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                           "original_max_position_embeddings": 64}}, r"rope_scaling applies to the sliding layers"),
+        ({"rope_scaling": _LLAMA3}, r"rope_scaling applies to the sliding layers"),
         ({"rope_scaling": {"rope_type": "yarn", "factor": 2.0}, "yarn_only_types": ["full_attention"]},
          r"rope_scaling of type 'yarn' is not supported"),
         ({"swiglu_limits": [1.0, 0, 1.0]}, r"swiglu_limits: layer 1 has 0; Step-4's reference clamps to 0"),
