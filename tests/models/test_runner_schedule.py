@@ -17,14 +17,19 @@ from stepops.testing.step5_checkpoint import random_step5_checkpoint
 from stepops.testing.storage import StorageSnapshot
 
 
-@pytest.fixture(scope="module")
-def runner():
+def _runner_with_slot_1_fed() -> StepRunner:
     torch.manual_seed(0)
     model = InklingModel()
     runner = StepRunner(model, max_requests=2, max_model_len=32, max_tokens=8, device="cpu")
     hidden = torch.randn(5, model.config.hidden_size).to(torch.bfloat16)
     runner.step([ScheduledRequest(1, 0, hidden)])  # slot 1 holds a request
     return runner
+
+
+@pytest.fixture(scope="module")
+def runner():
+    """Shared by the tests that feed it nothing: "start-in-a-slot-never-fed" needs slot 0 never fed."""
+    return _runner_with_slot_1_fed()
 
 
 def _x(runner, n):
@@ -492,8 +497,10 @@ def test_a_step_copies_its_schedule_in_one_non_blocking_copy_and_its_inputs_in_a
     assert runner.buffers.seq_lens[:2].tolist() == [3, 6]
 
 
-def test_assume_fed_lets_a_step_start_deep_in_a_context_and_checks_its_slot(runner):
-    """The benchmarks time steps at long contexts without their prefill (``assume_fed``)."""
+def test_assume_fed_lets_a_step_start_deep_in_a_context_and_checks_its_slot():
+    """The benchmarks time steps at long contexts without their prefill (``assume_fed``). Its own runner: the
+    module's would have slot 0 fed for the tests after it (in another test order)."""
+    runner = _runner_with_slot_1_fed()
     with pytest.raises(ValueError, match="assume_fed: slot 2 is outside the runner's slots 0..1"):
         runner.assume_fed(2, 10)
     with pytest.raises(ValueError, match="assume_fed: length must be >= 0"):
