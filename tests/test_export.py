@@ -14,7 +14,7 @@ from torch.export.graph_signature import InputKind
 from stepops._library import written_arguments
 from stepops.testing import copy_as_views, op_samples, storage_bytes
 
-_SAMPLES = [call for sample in op_samples() for call in (sample, sample.with_error_counter())]
+_SAMPLES = list(op_samples(with_error_counters=True))
 
 
 class _Call(torch.nn.Module):

@@ -5,7 +5,7 @@ import pytest
 
 from stepops.testing import op_samples, run_opcheck
 
-_SAMPLES = [call for sample in op_samples() for call in (sample, sample.with_error_counter())]
+_SAMPLES = list(op_samples(with_error_counters=True))
 
 
 @pytest.mark.parametrize("sample", _SAMPLES, ids=[s.name for s in _SAMPLES])

@@ -48,14 +48,20 @@ class OpSample:
         return OpSample(self.op, self.args, kwargs, f"{self.name}-errors")
 
 
-def op_samples(device: str | torch.device = "cpu", *, op_name: str | None = None) -> Iterator[OpSample]:
-    """Yield sample inputs for every stepops op (or only ``op_name``), fresh tensors on each call."""
+def op_samples(
+    device: str | torch.device = "cpu", *, op_name: str | None = None, with_error_counters: bool = False
+) -> Iterator[OpSample]:
+    """Yield sample inputs for every stepops op (or only ``op_name``), fresh tensors on each call;
+    ``with_error_counters``: each sample also again with an ``errors`` counter (:meth:`OpSample.with_error_counter`)."""
     device = torch.device(device)
     for entry in registered_ops():
         if op_name is not None and entry.name != op_name:
             continue
         for sample in entry.samples(device):
-            yield OpSample(entry.overload, sample.args, sample.kwargs, f"{entry.name}-{sample.name}")
+            sample = OpSample(entry.overload, sample.args, sample.kwargs, f"{entry.name}-{sample.name}")
+            yield sample
+            if with_error_counters:
+                yield sample.with_error_counter()
 
 
 def _is_float8(arg: Any) -> bool:
