@@ -236,23 +236,32 @@ class StackedExpertWeight(nn.Module):
         """Whether the weight is e4m3 codes with block scales."""
         return self.weight_scale_inv is not None
 
-    def load(self, weight: torch.Tensor, scale_inv: torch.Tensor | None = None, *, name: str = "weight") -> None:
+    def load(
+        self,
+        weight: torch.Tensor,
+        scale_inv: torch.Tensor | None = None,
+        *,
+        name: str = "weight",
+        device: torch.device | str | None = None,
+    ) -> None:
         """Hold a checkpoint's ``weight`` (this one's shape, never aliasing the caller's tensor): with
         ``scale_inv``, as float8_e4m3fn codes and their block scales (checked by :func:`check_fp8_blocks`);
-        otherwise in the dtype it was built with."""
+        otherwise in the dtype it was built with. On ``device`` (default: where the weight is; a weight built
+        on the meta device is allocated there once, in the dtype it is held in)."""
         if scale_inv is not None:
             check_fp8_blocks(name, weight, scale_inv)
         dtype = weight.dtype if scale_inv is not None else self.built_dtype
+        device = self.weight.device if device is None else torch.device(device)
         with torch.no_grad():
-            if self.weight.dtype == dtype:
+            if self.weight.dtype == dtype and self.weight.device == device:
                 self.weight.copy_(weight)
             else:
                 if not self.fp8:
                     self._requires_grad_unquantized = self.weight.requires_grad
-                held = weight.to(device=self.weight.device, dtype=dtype, copy=True)
+                held = weight.to(device=device, dtype=dtype, copy=True)
                 self.weight = nn.Parameter(held, requires_grad=scale_inv is None and self._requires_grad_unquantized)
         if scale_inv is not None:
-            scale_inv = scale_inv.to(device=self.weight.device, copy=True)
+            scale_inv = scale_inv.to(device=device, copy=True)
         self.weight_scale_inv = scale_inv
 
     def dequantized(self, expert_ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -388,8 +397,6 @@ class Step5Attention(nn.Module):
             self.g_proj = nn.Linear(c.hidden_size, c.num_heads, bias=False, dtype=dtype)
         self.q_norm = ZeroCentredRMSNorm(c.head_dim, c.rms_norm_eps)
         self.k_norm = ZeroCentredRMSNorm(c.head_dim, c.rms_norm_eps)
-        theta, scaling = c.rope_theta(kind), c.rope_scaling(kind)
-        self.register_buffer("rope_inv_freq", rope_inv_freq(c.rotary_dim(kind), theta, scaling), persistent=False)
         if kind == CSA:
             p = c.index_proxy_dim
             self.sparse_indexer_q = nn.Linear(c.hidden_size, c.index_num_heads * p, bias=False, dtype=dtype)
@@ -399,9 +406,20 @@ class Step5Attention(nn.Module):
             self.sparse_indexer_w = nn.Linear(c.hidden_size, c.index_num_heads, bias=False, dtype=torch.float32)
             self.sparse_indexer_q_norm = ZeroCentredRMSNorm(p, c.rms_norm_eps, bf16_weight=True)
             self.sparse_indexer_k_norm = IndexerKeyNorm(p, c.rms_norm_eps)
-            self.register_buffer(
-                "index_rope_inv_freq", rope_inv_freq(c.index_rope_dim, theta, scaling), persistent=False
-            )
+        self.compute_rope_frequencies(config)
+
+    def compute_rope_frequencies(self, config: Step5Config) -> None:
+        """(Re)compute the rotary inverse frequencies from ``config`` on the device of the projections:
+        ``rope_inv_freq`` and, on a CSA layer, the indexer's ``index_rope_inv_freq``. Non-persistent
+        buffers, in no checkpoint: a model built on the meta device gets them here once its weights are
+        real (:func:`~stepops.models.step5_weights.load_step5_state_dict`)."""
+        theta, scaling = config.rope_theta(self.kind), config.rope_scaling(self.kind)
+        rotary_dims = {"rope_inv_freq": config.rotary_dim(self.kind)}
+        if self.kind == CSA:
+            rotary_dims["index_rope_inv_freq"] = config.index_rope_dim
+        with torch.device(self.q_proj.weight.device):
+            for name, rotary_dim in rotary_dims.items():
+                self.register_buffer(name, rope_inv_freq(rotary_dim, theta, scaling), persistent=False)
 
 
 class Step5DecoderLayer(nn.Module):

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 from stepops.models.checkpoint_files import (
     read_json_object,
@@ -46,15 +47,36 @@ HEAD = "lm_head.weight"
 UNUSED = re.compile(r"layers\.(\d+)\.self_attn\.ssmax_s")
 
 
-def load_step5_state_dict(model: Step5Model, state_dict: Mapping[str, torch.Tensor], *, prefix: str = "") -> None:
+def load_step5_state_dict(
+    model: Step5Model,
+    state_dict: Mapping[str, torch.Tensor],
+    *,
+    prefix: str = "",
+    device: torch.device | str | None = None,
+) -> None:
     """Copy ``state_dict`` (names ``prefix + <model name>``, e.g. ``prefix="model."`` for decoder weights
     saved under ``model.``, and ``lm_head.weight`` as it is, beside them, as the reference saves it) into
     ``model``'s parameters, fp8 experts held as :class:`~stepops.models.step5.StackedExpertWeight` says. A
     :class:`~stepops.models.step5.Step5Model` has no embedding or head, so a checkpoint for it leaves them
     out; a :class:`~stepops.models.step5.Step5ForCausalLM` needs them. Every parameter must be given and
     every name used (``ValueError``); shapes must match (``ValueError``); dtypes must be floating
-    (``TypeError``; float8 only for routed experts with a ``weight_scale_inv``)."""
+    (``TypeError``; float8 only for routed experts with a ``weight_scale_inv``).
+
+    A model built on the meta device (``with torch.device("meta")``: nothing allocated, nothing randomly
+    initialised) is materialised on ``device`` as it loads: each parameter is allocated once, with the
+    strides and dtype it was built with (fp8 experts as their codes: never a bf16 copy first), and the
+    rotary frequencies are computed there. ``device`` is required for such a model (``ValueError``) and
+    refused for a model that is already allocated (``ValueError``: it is filled where it is)."""
     params = dict(model.named_parameters())
+    on_meta = {param.is_meta for param in params.values()}
+    if on_meta == {True, False}:
+        raise ValueError("the model is partly on the meta device: build it on meta, or on a real device, entirely")
+    materialise = on_meta == {True}
+    if materialise and device is None:
+        raise ValueError("the model is on the meta device: pass device= (where to allocate its weights)")
+    if not materialise and device is not None:
+        raise ValueError(f"the model is already allocated (on {next(iter(params.values())).device}): device= is "
+                         "only for a model built on the meta device; move the model with .to() instead")
 
     def key_of(name: str) -> str:
         return name if name == HEAD else prefix + name
@@ -94,12 +116,21 @@ def load_step5_state_dict(model: Step5Model, state_dict: Mapping[str, torch.Tens
         tensor = tensors[name]
         if name in experts:
             expert = experts[name]
-            expert.load(tensor, scales.get(name), name=prefix + name)
+            expert.load(tensor, scales.get(name), name=prefix + name, device=device)
             module_name = name[: -len(".weight")]  # e4m3 codes and fp32 scales for an fp8 checkpoint's experts
             model.built_dtypes.update({f"{module_name}.{n}": dtype for n, dtype in tensor_dtypes(expert).items()})
+        elif materialise:
+            module_name, _, leaf = name.rpartition(".")
+            held = torch.empty_like(param, device=device)  # the built strides
+            with torch.no_grad():
+                held.copy_(tensor)
+            setattr(model.get_submodule(module_name), leaf, nn.Parameter(held, requires_grad=param.requires_grad))
         else:
             with torch.no_grad():
                 param.copy_(tensor)
+    if materialise:
+        for layer in model.layers:
+            layer.self_attn.compute_rope_frequencies(model.config)
 
 
 def _unused(model: Step5Model, name: str, tensor: torch.Tensor, key: str) -> bool:
@@ -119,11 +150,13 @@ def _unused(model: Step5Model, name: str, tensor: torch.Tensor, key: str) -> boo
     return True
 
 
-def load_step5_safetensors(model: Step5Model, directory: str | Path, *, prefix: str = "") -> None:
+def load_step5_safetensors(
+    model: Step5Model, directory: str | Path, *, prefix: str = "", device: torch.device | str | None = None
+) -> None:
     """:func:`load_step5_state_dict` from ``directory``'s safetensors files: ``model.safetensors`` when there
     is one, else the shards ``model.safetensors.index.json`` lists (the files transformers'
     ``from_pretrained`` reads), else every ``*.safetensors`` file (a name in two files is a ``ValueError``)."""
-    load_step5_state_dict(model, _read_safetensors(Path(directory)), prefix=prefix)
+    load_step5_state_dict(model, _read_safetensors(Path(directory)), prefix=prefix, device=device)
 
 
 def load_step5(
@@ -137,8 +170,10 @@ def load_step5(
     The multi-token-prediction layers (``model.layers.{n}.*`` for ``num_hidden_layers <= n <
     num_hidden_layers + num_nextn_predict_layers``) are skipped with one warning, as the reference skips
     them: they only propose drafts. Any other name the model lacks is a ``ValueError``. The model is built
-    on ``device`` and then filled, so loading holds the checkpoint and the model at once. Its caches are
-    not allocated (``allocate_caches`` or a :class:`~stepops.models.runner.StepRunner` does that).
+    on the meta device and allocated on ``device`` once the checkpoint has been read and checked, each
+    weight with its checkpoint values (no random init; fp8 experts never held in bf16), so loading holds
+    the checkpoint and the model at once, and nothing more. Its caches are not allocated
+    (``allocate_caches`` or a :class:`~stepops.models.runner.StepRunner` does that).
     """
     path = Path(path)
     config_file = path / "config.json"
@@ -153,9 +188,9 @@ def load_step5(
     skipped = [key for key in state_dict if key.startswith(mtp_prefixes)]
     for key in skipped:
         del state_dict[key]
-    with torch.device(device):
+    with torch.device("meta"):
         model = Step5ForCausalLM(config)
-    load_step5_state_dict(model, state_dict, prefix="model.")
+    load_step5_state_dict(model, state_dict, prefix="model.", device=device)
     if skipped:
         warnings.warn(
             f"{path}: skipped {len(skipped)} tensors of the multi-token-prediction layers "

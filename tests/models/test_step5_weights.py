@@ -533,7 +533,27 @@ def _release_layout(tmp_path, reference: dict, edit=lambda checkpoint: None) -> 
     return ours
 
 
+def _same_tensors(model: torch.nn.Module, want: torch.nn.Module) -> None:
+    """Every parameter and buffer (the non-persistent rotary frequencies included) of ``model`` is ``want``'s:
+    the same names, dtypes, strides, devices, requires_grad and bytes."""
+    def tensors(m):
+        return [*m.named_parameters(), *m.named_buffers()]
+
+    for (name, a), (other, b) in zip(tensors(model), tensors(want), strict=True):
+        assert name == other
+        def facts(t):
+            return t.dtype, t.stride(), t.device, t.requires_grad
+
+        assert facts(a) == facts(b), name
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), name
+
+
 def test_a_reference_checkpoint_directory_loads_as_a_causal_lm(tmp_path):
+    """load_step5 builds on the meta device and allocates each weight once, with its checkpoint values: the
+    model it gives has the tensors of a model built, randomly initialised, then loaded (the rotary
+    frequencies, which no checkpoint holds, computed on its device), and steps to the same logits."""
+    from stepops.models.runner import ScheduledRequest, StepRunner
+
     reference = _reference_config(["sliding_attention", "full_attention", "full_attention"])
     ours = _release_layout(tmp_path, reference)
     with pytest.warns(UserWarning, match=r"skipped 2 tensors of the multi-token-prediction layers 2\.\.2"):
@@ -542,9 +562,44 @@ def test_a_reference_checkpoint_directory_loads_as_a_causal_lm(tmp_path):
     assert model.config == step5_config_from_reference(reference, num_speculative_tokens=2)
     want = Step5ForCausalLM(model.config)
     load_step5_state_dict(want, ours)
-    for (name, a), (_, b) in zip(model.named_parameters(), want.named_parameters(), strict=True):
-        assert a.dtype == b.dtype and torch.equal(a, b), name
+    _same_tensors(model, want)
+    assert model.built_dtypes == want.built_dtypes
     assert torch.equal(model.lm_head.weight, ours["lm_head.weight"])
+    ids = torch.randint(0, reference["vocab_size"], (20,), generator=torch.Generator().manual_seed(0))
+    logits = []
+    for m in (model, want):
+        runner = StepRunner(m, max_requests=1, max_model_len=24, max_tokens=20, device="cpu", inputs="tokens")
+        logits.append(runner.step([ScheduledRequest(0, 0, ids)])[0])
+    assert torch.equal(*logits)
+
+
+@pytest.mark.parametrize("fp8_experts", [True, False])
+def test_a_model_built_on_meta_is_materialised_where_asked(fp8_experts):
+    """load_step5_state_dict(device=) allocates a meta-built model there: the same tensors as a model built
+    on that device and loaded (fp8 experts as codes and scales, bf16 ones in bf16)."""
+    checkpoint = random_step5_checkpoint(_CONFIG, seed=3, fp8_experts=fp8_experts)
+    with torch.device("meta"):
+        model = Step5Model(_CONFIG)
+    load_step5_state_dict(model, checkpoint, device="cpu")
+    want = Step5Model(_CONFIG)
+    load_step5_state_dict(want, checkpoint)
+    _same_tensors(model, want)
+    assert model.layers[0].moe.down_proj.fp8 == fp8_experts
+
+
+def test_the_device_argument_is_for_a_meta_built_model_only():
+    checkpoint = random_step5_checkpoint(_CONFIG, seed=0)
+    with torch.device("meta"):
+        on_meta = Step5Model(_CONFIG)
+    with pytest.raises(ValueError, match=r"the model is on the meta device: pass device="):
+        load_step5_state_dict(on_meta, checkpoint)
+    with pytest.raises(ValueError, match=r"already allocated \(on cpu\): device= is only for a model built on"):
+        load_step5_state_dict(Step5Model(_CONFIG), checkpoint, device="cpu")
+    part = Step5Model(_CONFIG)
+    part.norm.weight = torch.nn.Parameter(torch.empty_like(part.norm.weight, device="meta"))
+    with pytest.raises(ValueError, match=r"partly on the meta device"):
+        load_step5_state_dict(part, checkpoint, device="cpu")
+    assert all(p.is_meta for p in on_meta.parameters())  # refused before anything was allocated
 
 
 def test_the_files_transformers_reads_are_the_ones_read(tmp_path):
