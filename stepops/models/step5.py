@@ -217,7 +217,7 @@ class StackedExpertWeight(nn.Module):
     there, by 2**-9 in bf16), with its input rounded to e4m3 as the reference's fp8 GEMM rounds it
     (:func:`round_to_e4m3_blocks`, :meth:`matmul_input`). Both tensors are in ``state_dict()``; load them
     with ``step5_weights.load_step5_state_dict`` (a fresh model has no ``weight_scale_inv`` for
-    ``load_state_dict`` to fill). Loading may replace the Parameter (another dtype), so load before
+    ``load_state_dict`` to fill). Loading may replace the Parameter (another dtype or device), so load before
     compiling, capturing or handing the parameters to anything.
     """
 
