@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from stepops.models.checkpoint_files import (
     read_json_object,
@@ -38,7 +39,8 @@ from stepops.models.checkpoint_files import (
     transformers_weight_files,
     with_eos_token_ids,
 )
-from stepops.models.inkling import GLOBAL, SLIDING, InklingConfig, InklingModel, fuse_kv
+from stepops.models.inkling import GLOBAL, SLIDING, InklingConfig, InklingModel, fuse_kv, shard_inkling_state_dict
+from stepops.models.tensor_parallel import TensorParallel
 from stepops.specs import is_int
 
 # transformers name (after "model.layers.N.") -> stepops name (after "layers.N.").
@@ -372,12 +374,18 @@ def load_inkling(
     dtype: torch.dtype = torch.bfloat16,
     block_size: int = 16,
     num_speculative_tokens: int = 3,
+    process_group: dist.ProcessGroup | None = None,
 ) -> InklingModel:
     """Build an :class:`InklingModel` from a transformers checkpoint directory (see the module docstring).
 
     Weights are cast to ``dtype`` (bf16 for the cached step) except the short-conv weights, the router's
     ``global_scale`` and ``e_score_correction_bias``, which stay fp32 as transformers keeps them. The
     model's caches are not allocated (``model.allocate_caches`` or a :class:`StepRunner` does that).
+
+    ``process_group`` (``tp > 1`` ranks, ``docs/tensor-parallel.md``): this rank's shard, as
+    :func:`~stepops.models.inkling.shard_inkling_state_dict` slices the whole model's weights. Every rank
+    reads and checks the whole checkpoint, and allocates only its own slices on ``device``. A config that
+    does not shard over the group is a ``ValueError`` before any weight is read.
     """
     path = Path(path)
     config_file = path / "config.json"
@@ -399,16 +407,19 @@ def load_inkling(
     )
     # Built on the meta device, so nothing is allocated or randomly initialised until the checkpoint has been
     # read and checked; then allocated once on ``device`` (same strides: the conv weights stay tap-major) and
-    # filled by load_state_dict: the load holds the model once, and spends no time on a random init.
+    # filled by load_state_dict: the load holds the model once, and spends no time on a random init. The
+    # checkpoint is checked against the whole model's shapes, whatever this rank holds.
+    tp = TensorParallel.from_group(process_group)
     with torch.device("meta"):
-        model = InklingModel(config, dtype=dtype)
-    expected = dict(model.state_dict())
-    for i in range(len(model.layers)):  # a fused weight is read as its K and V halves
+        model = InklingModel(config, dtype=dtype, process_group=process_group)
+        whole = model if tp.size == 1 else InklingModel(config, dtype=dtype)
+    expected = dict(whole.state_dict())
+    for i in range(len(whole.layers)):  # a fused weight is read as its K and V halves
         for fused, halves in _KV_HALVES.items():
-            whole = expected.pop(f"layers.{i}.{fused}")
+            both = expected.pop(f"layers.{i}.{fused}")
             for half in halves:
                 # shape and dtype only: on the meta device, nothing allocated
-                expected[f"layers.{i}.{half}"] = whole.new_empty((whole.shape[0] // 2, *whole.shape[1:]), device="meta")
+                expected[f"layers.{i}.{half}"] = both.new_empty((both.shape[0] // 2, *both.shape[1:]), device="meta")
     loaded: dict[str, torch.Tensor] = {}
     source: dict[str, str] = {}  # stepops name -> the checkpoint key it was read from
     unexpected: list[str] = []
@@ -443,7 +454,7 @@ def load_inkling(
     missing = sorted(set(expected) - set(loaded))
     if missing:
         raise ValueError(f"{path}: missing weights (stepops names): {missing}")
-    for i, layer in enumerate(model.layers):
+    for i, layer in enumerate(whole.layers):
         for fused, (k_half, v_half) in _KV_HALVES.items():
             k, v = loaded.pop(f"layers.{i}.{k_half}"), loaded.pop(f"layers.{i}.{v_half}")
             loaded[f"layers.{i}.{fused}"] = fuse_kv(k, v, layer.num_kv_heads)
@@ -452,6 +463,8 @@ def load_inkling(
             f"{path}: ignoring {_ignored_note(ignored)}: out of scope, stepops runs the Inkling text decoder only",
             stacklevel=2,
         )
+    if tp.size > 1:
+        loaded = shard_inkling_state_dict(loaded, config, tp_rank=tp.rank, tp_size=tp.size)
     model.to_empty(device=device)
     model.load_state_dict(loaded)
     return model

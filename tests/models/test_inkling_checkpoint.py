@@ -13,17 +13,22 @@ from __future__ import annotations
 import json
 import shutil
 import warnings
+from datetime import timedelta
+from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 
-from inkling_oracle_helpers import HF_CONFIG, save_random_inkling, single_file_copy
+from inkling_oracle_helpers import HF_CONFIG, VOCAB, save_random_inkling, single_file_copy
 from transformers import GenerationConfig, InklingForCausalLM, InklingTextConfig  # the test extra pins 5.23.0
 from transformers import InklingConfig as HFInklingConfig
 
 from stepops.layouts import InklingStream
-from stepops.models.inkling import InklingConfig, InklingModel
+from stepops.models.inkling import InklingConfig, InklingModel, shard_inkling_state_dict
 from stepops.models.inkling_checkpoint import config_from_transformers, load_inkling
+from stepops.models.runner import ScheduledRequest, StepRunner
+from stepops.models.tensor_parallel import spawn_ranks
 
 
 @pytest.fixture(scope="module")
@@ -46,8 +51,6 @@ def test_a_loaded_model_has_a_built_models_layouts_and_dtypes(checkpoint):
 def test_the_serving_settings_reach_the_loaded_model_and_leave_its_outputs(checkpoint):
     """num_speculative_tokens sets the attention's query tile (load_step5 takes it too; load_inkling had no
     way to set it): a verify step of 1 + 7 tokens gives the same bits with either tile."""
-    from stepops.models.runner import ScheduledRequest, StepRunner
-
     torch.manual_seed(0)
     ids = torch.randint(0, 100, (12,))
     logits = []
@@ -64,6 +67,47 @@ def test_the_serving_settings_reach_the_loaded_model_and_leave_its_outputs(check
 def test_one_file_loads_like_the_shards(checkpoint, tmp_path):
     sharded, single = load_inkling(checkpoint).state_dict(), load_inkling(single_file_copy(checkpoint, tmp_path)).state_dict()
     assert sharded.keys() == single.keys() and all(torch.equal(sharded[k], single[k]) for k in sharded)
+
+
+def _load_this_ranks_shard(rank: int, tp_size: int, sharding: Path, one_kv_head: Path) -> None:
+    """One rank of the test below (asserts raise in the parent through ``spawn_ranks``)."""
+    torch.set_num_threads(1)  # two ranks on two shared cores
+    group = dist.group.WORLD
+    got = load_inkling(sharding, process_group=group)
+    whole = load_inkling(sharding)
+    want = shard_inkling_state_dict(whole.state_dict(), whole.config, tp_rank=rank, tp_size=tp_size)
+    with torch.device("meta"):
+        built = InklingModel(whole.config, process_group=group)
+    strides = {name: t.stride() for name, t in built.state_dict().items()}
+    state = got.state_dict()
+    assert state.keys() == want.keys()
+    for name, tensor in state.items():
+        assert tensor.device.type == "cpu" and tensor.dtype == want[name].dtype, name
+        assert torch.equal(tensor, want[name]) and tensor.stride() == strides[name], name
+    # The documented way to shard (docs/tensor-parallel.md), which test_tensor_parallel checks against tp = 1:
+    # the same step gives the same bits (the collectives run on both ranks).
+    sharded = InklingModel(whole.config, process_group=group)
+    sharded.load_state_dict(want)
+    ids = torch.randint(0, VOCAB, (11,), generator=torch.Generator().manual_seed(0))
+    logits = []
+    for model in (got, sharded):
+        runner = StepRunner(model, max_requests=1, max_model_len=16, max_tokens=16, device="cpu", inputs="tokens")
+        logits.append(runner.step([ScheduledRequest(0, 0, ids)])[0])
+    assert torch.equal(*logits)
+    with pytest.raises(ValueError, match=r"tp_size <= num_kv_heads \(1\), got 2"):
+        load_inkling(one_kv_head, process_group=group)  # it has no weights: refused before they are read
+
+
+def test_each_rank_loads_its_shard_of_a_checkpoint(checkpoint, tmp_path):
+    """``load_inkling(process_group=)`` on two gloo ranks: each holds exactly ``shard_inkling_state_dict``'s
+    slice of the whole load (values, dtypes, the built strides) and steps to the same logits as a model sharded
+    by hand from it; a config that does not shard (1 sliding KV head over 2 ranks) is refused before any
+    weight is read."""
+    sharding = save_random_inkling(tmp_path / "two_kv_heads", {**HF_CONFIG, "swa_num_key_value_heads": 2})
+    one_kv_head = tmp_path / "one_kv_head"
+    one_kv_head.mkdir()
+    shutil.copy(checkpoint / "config.json", one_kv_head / "config.json")  # no weights at all
+    spawn_ranks(_load_this_ranks_shard, 2, sharding, one_kv_head, timeout=timedelta(seconds=120))
 
 
 def _copy(checkpoint, path, edit):
