@@ -11,6 +11,7 @@ from safetensors.torch import load_file, save_file
 
 from stepops.layouts import InklingStream
 from stepops.models import Step5Config, Step5Model
+from stepops.models.runner import ScheduledRequest, StepRunner
 from stepops.models.step5 import Step5ForCausalLM, check_fp8_blocks, dequantize_fp8_blocks
 from stepops.models.step5_config import CSA, SLIDING, STEP5_REFERENCE, Llama3RopeScaling
 from stepops.models.step5_weights import (
@@ -536,15 +537,15 @@ def _release_layout(tmp_path, reference: dict, edit=lambda checkpoint: None) -> 
 def _same_tensors(model: torch.nn.Module, want: torch.nn.Module) -> None:
     """Every parameter and buffer (the non-persistent rotary frequencies included) of ``model`` is ``want``'s:
     the same names, dtypes, strides, devices, requires_grad and bytes."""
+
     def tensors(m):
         return [*m.named_parameters(), *m.named_buffers()]
 
-    for (name, a), (other, b) in zip(tensors(model), tensors(want), strict=True):
-        assert name == other
-        def facts(t):
-            return t.dtype, t.stride(), t.device, t.requires_grad
+    def facts(t):
+        return t.dtype, t.stride(), t.device, t.requires_grad
 
-        assert facts(a) == facts(b), name
+    for (name, a), (other, b) in zip(tensors(model), tensors(want), strict=True):
+        assert name == other and facts(a) == facts(b), name
         assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), name
 
 
@@ -552,8 +553,6 @@ def test_a_reference_checkpoint_directory_loads_as_a_causal_lm(tmp_path):
     """load_step5 builds on the meta device and allocates each weight once, with its checkpoint values: the
     model it gives has the tensors of a model built, randomly initialised, then loaded (the rotary
     frequencies, which no checkpoint holds, computed on its device), and steps to the same logits."""
-    from stepops.models.runner import ScheduledRequest, StepRunner
-
     reference = _reference_config(["sliding_attention", "full_attention", "full_attention"])
     ours = _release_layout(tmp_path, reference)
     with pytest.warns(UserWarning, match=r"skipped 2 tensors of the multi-token-prediction layers 2\.\.2"):
