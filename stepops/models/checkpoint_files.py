@@ -25,15 +25,6 @@ def read_json_object(path: Path) -> dict[str, Any]:
     return value
 
 
-def read_safetensors_file(path: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of one safetensors file, on the CPU; ``ValueError`` naming the file if it is unreadable."""
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            return {key: f.get_tensor(key) for key in f.keys()}
-    except (SafetensorError, OSError) as error:
-        raise ValueError(f"{path}: not a readable safetensors file ({error})") from None
-
-
 def transformers_weight_files(directory: Path) -> list[Path] | None:
     """The safetensors files transformers' ``from_pretrained`` reads from ``directory``: ``model.safetensors``
     when there is one, else the shards ``model.safetensors.index.json`` lists; ``None`` when neither is there.
@@ -53,15 +44,63 @@ def transformers_weight_files(directory: Path) -> list[Path] | None:
     return [directory / name for name in sorted(set(weight_map.values()))]
 
 
+class SafetensorsCheckpoint:
+    """The tensors of a checkpoint's safetensors ``files``, read one at a time. Opening reads only the files'
+    headers, so a loader can check every name, shape and dtype (:meth:`metadata`) before it allocates
+    anything, then read the tensors (:meth:`read`) and copy them into the model one by one: what a tensor is
+    made into on the way (another dtype, a fused or sliced copy) lives only until it is copied, never a
+    whole checkpoint of such copies beside the model. (A read tensor maps its file: its pages are read when
+    it is first used, and are the kernel's to reclaim.) ``ValueError`` naming the file for one that is not
+    safetensors (read at opening), and naming a tensor that two of the files hold. Use it in a ``with``
+    block, which closes the files' handles when it ends."""
+
+    def __init__(self, files: list[Path]) -> None:
+        self._handles: list[Any] = []  # safe_open handles, one per file
+        self._file_of: dict[str, int] = {}  # tensor name -> its file's index
+        for index, file in enumerate(files):
+            try:
+                self._handles.append(safe_open(str(file), framework="pt"))
+            except (SafetensorError, OSError) as error:
+                raise ValueError(f"{file}: not a readable safetensors file ({error})") from None
+            for key in self._handles[index].keys():
+                if key in self._file_of:
+                    raise ValueError(f"{key} is in more than one file of {file.parent}")
+                self._file_of[key] = index
+
+    def __enter__(self) -> SafetensorsCheckpoint:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Drop the files' handles (a tensor already read keeps its own mapping of its file)."""
+        self._handles.clear()
+
+    def keys(self) -> list[str]:
+        """Every tensor name, file by file in each file's order."""
+        return list(self._file_of)
+
+    def metadata(self, key: str) -> torch.Tensor:
+        """Tensor ``key``'s shape and dtype as a meta tensor, from the file's header: no data read (a 0-dim
+        tensor, a single value, is read to learn its dtype as safetensors converts it)."""
+        handle = self._handles[self._file_of[key]]
+        tensor_slice = handle.get_slice(key)
+        shape = tensor_slice.get_shape()
+        # An empty slice reads no data, and has the dtype read() gives.
+        dtype = (tensor_slice[:0] if shape else self.read(key)).dtype
+        return torch.empty(shape, dtype=dtype, device="meta")
+
+    def read(self, key: str) -> torch.Tensor:
+        """Tensor ``key``, on the CPU (opening checked the file's header, its offsets against its size)."""
+        return self._handles[self._file_of[key]].get_tensor(key)
+
+
 def read_safetensors_files(files: list[Path]) -> dict[str, torch.Tensor]:
-    """Every tensor of ``files``; ``ValueError`` naming a tensor that two of them hold."""
-    tensors: dict[str, torch.Tensor] = {}
-    for file in files:
-        for key, tensor in read_safetensors_file(file).items():
-            if key in tensors:
-                raise ValueError(f"{key} is in more than one file of {file.parent}")
-            tensors[key] = tensor
-    return tensors
+    """Every tensor of ``files`` (as :class:`SafetensorsCheckpoint` reads them: memory-mapped, so a tensor's
+    pages are read from the file when it is first used)."""
+    with SafetensorsCheckpoint(files) as checkpoint:
+        return {key: checkpoint.read(key) for key in checkpoint.keys()}
 
 
 Config = TypeVar("Config")  # a model config dataclass with output_vocab_size and eos_token_ids

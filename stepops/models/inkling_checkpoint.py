@@ -34,8 +34,8 @@ import torch
 import torch.distributed as dist
 
 from stepops.models.checkpoint_files import (
+    SafetensorsCheckpoint,
     read_json_object,
-    read_safetensors_files,
     transformers_weight_files,
     with_eos_token_ids,
 )
@@ -143,6 +143,7 @@ _OUT_OF_SCOPE = (
 )
 _LAYER_KEY = re.compile(r"model\.layers\.(\d+)\.(.+)")
 _ORIGINAL_LAYER_KEY = re.compile(r"model\.llm\.layers\.(\d+)\.(.+)")
+_STEPOPS_LAYER_KEY = re.compile(r"layers\.(\d+)\.(.+)")
 _LAYER_TYPES = {"hybrid_sliding": SLIDING, "hybrid": GLOBAL}
 # InklingTextConfig.attribute_map: names a release's config.json may use instead (transformers reads the alias,
 # and it wins when both are given).
@@ -156,6 +157,7 @@ _CONV_WEIGHTS = ("conv_k", "conv_v", "conv_attn", "conv_mlp")
 # The layers keep K and V fused, rows per KV head [k_h | v_h] (stepops.models.inkling.fuse_kv): the K and V
 # halves of a checkpoint are read under these names, then fused.
 _KV_HALVES = {"kv_proj.weight": ("k_proj.weight", "v_proj.weight"), "conv_kv": ("conv_k", "conv_v")}
+_FUSED_OF_HALF = {half: fused for fused, halves in _KV_HALVES.items() for half in halves}
 
 
 def _text_config(hf: dict[str, Any]) -> dict[str, Any]:
@@ -295,13 +297,13 @@ def _inkling_config(hf: dict[str, Any], block_size: int, num_speculative_tokens:
     )
 
 
-def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of the checkpoint directory, from the files transformers reads (a directory saved again
-    in the other format keeps the old file: reading that one loaded other weights than transformers does)."""
+def _weight_files(path: Path) -> list[Path]:
+    """The files transformers reads from the checkpoint directory (a directory saved again in the other format
+    keeps the old file: reading that one loaded other weights than transformers does)."""
     files = transformers_weight_files(path)
     if files is None:
         raise ValueError(f"{path}: no model.safetensors or model.safetensors.index.json")
-    return read_safetensors_files(files)
+    return files
 
 
 def _deinterleave(key: str, tensor: torch.Tensor, dim: int) -> torch.Tensor:
@@ -384,8 +386,12 @@ def load_inkling(
 
     ``process_group`` (``tp > 1`` ranks, ``docs/tensor-parallel.md``): this rank's shard, as
     :func:`~stepops.models.inkling.shard_inkling_state_dict` slices the whole model's weights. Every rank
-    reads and checks the whole checkpoint, and allocates only its own slices on ``device``. A config that
-    does not shard over the group is a ``ValueError`` before any weight is read.
+    checks the whole checkpoint and reads it one tensor at a time, keeping only its own slices (allocated on
+    ``device``). A config that does not shard over the group is a ``ValueError`` before any weight is read.
+
+    The checkpoint is checked from its files' headers before anything is allocated, then copied in one
+    tensor at a time (a K half until its V half is read): host memory holds the model (when ``device`` is
+    the CPU) and a checkpoint tensor or two, not the whole checkpoint beside it.
     """
     path = Path(path)
     config_file = path / "config.json"
@@ -406,9 +412,10 @@ def load_inkling(
         hf, block_size=block_size, num_speculative_tokens=num_speculative_tokens, generation_config=generation_config
     )
     # Built on the meta device, so nothing is allocated or randomly initialised until the checkpoint has been
-    # read and checked; then allocated once on ``device`` (same strides: the conv weights stay tap-major) and
-    # filled by load_state_dict: the load holds the model once, and spends no time on a random init. The
-    # checkpoint is checked against the whole model's shapes, whatever this rank holds.
+    # checked (from the files' headers, against the whole model's shapes, whatever this rank holds); then
+    # allocated once on ``device`` (same strides: the conv weights stay tap-major) and filled one checkpoint
+    # tensor at a time: the load holds the model and a tensor or two of the checkpoint, never all of it,
+    # and spends no time on a random init.
     tp = TensorParallel.from_group(process_group)
     with torch.device("meta"):
         model = InklingModel(config, dtype=dtype, process_group=process_group)
@@ -420,54 +427,110 @@ def load_inkling(
             for half in halves:
                 # shape and dtype only: on the meta device, nothing allocated
                 expected[f"layers.{i}.{half}"] = both.new_empty((both.shape[0] // 2, *both.shape[1:]), device="meta")
-    loaded: dict[str, torch.Tensor] = {}
-    source: dict[str, str] = {}  # stepops name -> the checkpoint key it was read from
+    with SafetensorsCheckpoint(_weight_files(path)) as checkpoint:
+        keys = _check_weights(path, checkpoint, expected, multimodal)
+        model.to_empty(device=device)
+        _copy_weights(checkpoint, keys, model, whole, multimodal, tp)
+    return model
+
+
+def _text_decoder_weights(key: str, tensor: torch.Tensor, multimodal: bool) -> list[tuple[str, torch.Tensor]] | None:
+    """A checkpoint tensor as the stepops weights it gives, ``[(name, tensor)]`` (two for a fused gate/up
+    weight; conv weights as ``[C, W]``; a K or V half under its own name, fused later); ``None`` when it is
+    not the text decoder's. ``tensor`` may be a meta tensor: the loader checks the checkpoint's shapes with
+    the mapping it then loads it with."""
+    text_weights = _multimodal_text_names(key, tensor) if multimodal else [(key, tensor)]
+    weights = []
+    for text_key, text_tensor in text_weights or ():
+        name = _stepops_name(text_key)
+        if name is None:
+            return None
+        if name.rsplit(".", 1)[-1] in _CONV_WEIGHTS and text_tensor.dim() == 3:
+            text_tensor = text_tensor.squeeze(1)  # nn.Conv1d's depthwise [C, 1, W] -> [C, W]
+        weights.append((name, text_tensor))
+    return weights or None
+
+
+def _check_weights(
+    path: Path, checkpoint: SafetensorsCheckpoint, expected: dict[str, torch.Tensor], multimodal: bool
+) -> list[str]:
+    """The checkpoint keys that hold the text decoder's weights, after checking on their metadata (the
+    files' headers) that they give each of ``expected`` (stepops name -> meta tensor) exactly once,
+    in its shape; ``ValueError`` naming every unexpected or missing weight, or the first misshapen one. The
+    out-of-scope parts are skipped with one warning."""
+    keys: list[str] = []
+    source: dict[str, str] = {}  # stepops name -> the checkpoint key it is read from
     unexpected: list[str] = []
     ignored: dict[tuple[str, str], int] = {}
-    for key, tensor in _read_safetensors(path).items():
+    for key in checkpoint.keys():
         part = _out_of_scope(key)
         if part is not None:
             ignored[part] = ignored.get(part, 0) + 1
             continue
-        text_weights = _multimodal_text_names(key, tensor) if multimodal else [(key, tensor)]
-        names = [(_stepops_name(text_key), text_tensor) for text_key, text_tensor in text_weights or ()]
+        weights = _text_decoder_weights(key, checkpoint.metadata(key), multimodal)
         # not the text decoder's, or e.g. a dense-MLP weight in a sparse layer
-        if not names or any(name not in expected for name, _ in names):
+        if weights is None or any(name not in expected for name, _ in weights):
             unexpected.append(key)
             continue
-        for name, text_tensor in names:
+        for name, tensor in weights:
             if name in source:  # e.g. lm_head.weight next to the original layout's model.llm.unembed.weight
                 raise ValueError(
                     f"{path}: {source[name]!r} and {key!r} are both the text decoder's {name}; keep one of them"
                 )
             source[name] = key
-            if name.rsplit(".", 1)[-1] in _CONV_WEIGHTS and text_tensor.dim() == 3:
-                text_tensor = text_tensor.squeeze(1)  # nn.Conv1d's depthwise [C, 1, W] -> [C, W]
-            if text_tensor.shape != expected[name].shape:
+            if tensor.shape != expected[name].shape:
                 raise ValueError(
-                    f"{key}: shape {tuple(text_tensor.shape)} does not match the config's "
+                    f"{key}: shape {tuple(tensor.shape)} does not match the config's "
                     f"{tuple(expected[name].shape)} ({name})"
                 )
-            loaded[name] = text_tensor.to(expected[name].dtype)
+        keys.append(key)
     if unexpected:
         raise ValueError(f"{path}: unexpected weights (not part of the Inkling text decoder): {sorted(unexpected)}")
-    missing = sorted(set(expected) - set(loaded))
+    missing = sorted(set(expected) - set(source))
     if missing:
         raise ValueError(f"{path}: missing weights (stepops names): {missing}")
-    for i, layer in enumerate(whole.layers):
-        for fused, (k_half, v_half) in _KV_HALVES.items():
-            k, v = loaded.pop(f"layers.{i}.{k_half}"), loaded.pop(f"layers.{i}.{v_half}")
-            loaded[f"layers.{i}.{fused}"] = fuse_kv(k, v, layer.num_kv_heads)
     if ignored:
         warnings.warn(
             f"{path}: ignoring {_ignored_note(ignored)}: out of scope, stepops runs the Inkling text decoder only",
-            stacklevel=2,
+            stacklevel=3,
         )
-    if tp.size > 1:
-        loaded = shard_inkling_state_dict(loaded, config, tp_rank=tp.rank, tp_size=tp.size)
-    model.to_empty(device=device)
-    model.load_state_dict(loaded)
-    return model
+    return keys
+
+
+def _copy_weights(
+    checkpoint: SafetensorsCheckpoint,
+    keys: list[str],
+    model: InklingModel,
+    whole: InklingModel,
+    multimodal: bool,
+    tp: TensorParallel,
+) -> None:
+    """Read ``keys`` (checked by :func:`_check_weights`) one at a time into ``model``'s allocated weights:
+    cast to their dtypes, K and V halves fused once both are read (as ``whole``, the checkpoint's model,
+    fuses them), sliced to this rank's shard when ``tp.size > 1``."""
+    weights = model.state_dict()  # this rank's tensors, aliasing its parameters and buffers
+    halves: dict[str, torch.Tensor] = {}  # a K or V half whose other half is not read yet
+
+    def copy(name: str, tensor: torch.Tensor) -> None:
+        if tp.size > 1:
+            tensor = shard_inkling_state_dict({name: tensor}, whole.config, tp_rank=tp.rank, tp_size=tp.size)[name]
+        weights.pop(name).copy_(tensor)
+
+    for key in keys:
+        for name, tensor in _text_decoder_weights(key, checkpoint.read(key), multimodal):
+            layer_weight = _STEPOPS_LAYER_KEY.fullmatch(name)
+            fused = layer_weight and _FUSED_OF_HALF.get(layer_weight.group(2))
+            if not fused:
+                copy(name, tensor)
+                continue
+            halves[name] = tensor
+            layer = int(layer_weight.group(1))
+            k_name, v_name = (f"layers.{layer}.{half}" for half in _KV_HALVES[fused])
+            if k_name in halves and v_name in halves:
+                num_kv_heads = whole.layers[layer].num_kv_heads
+                copy(f"layers.{layer}.{fused}", fuse_kv(halves.pop(k_name), halves.pop(v_name), num_kv_heads))
+    if weights or halves:  # _check_weights found every weight: this is a bug of the loader
+        raise RuntimeError(f"load_inkling left weights unloaded: {sorted(weights)} {sorted(halves)}")
 
 
 __all__ = ["ORIGINAL_WEIGHT_NAMES", "WEIGHT_NAMES", "config_from_transformers", "load_inkling"]

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import shutil
 import warnings
+import weakref
 from datetime import timedelta
 from pathlib import Path
 
@@ -25,6 +26,7 @@ from transformers import GenerationConfig, InklingForCausalLM, InklingTextConfig
 from transformers import InklingConfig as HFInklingConfig
 
 from stepops.layouts import InklingStream
+from stepops.models.checkpoint_files import SafetensorsCheckpoint
 from stepops.models.inkling import InklingConfig, InklingModel, shard_inkling_state_dict
 from stepops.models.inkling_checkpoint import config_from_transformers, load_inkling
 from stepops.models.runner import ScheduledRequest, StepRunner
@@ -37,6 +39,29 @@ def checkpoint(tmp_path_factory):
 
 
 # -- loading ---------------------------------------------------------------------------------------------
+
+
+def test_the_checkpoint_is_read_and_cast_one_tensor_at_a_time(checkpoint, monkeypatch):
+    """load_inkling read every tensor, cast it to the model's dtype and fused the K and V halves before it
+    allocated the model: host memory held that copy of the checkpoint beside the model (in a probe, an fp32
+    checkpoint loaded in bf16 peaked at 2.2x the model's size in anonymous memory; 1.2x now). Each tensor is now read as it is copied:
+    when one is read, the only earlier ones still held are K halves (a layer's k_proj, k_sconv) waiting
+    for their V halves, which come after them in the files."""
+    read, keys, held, most_held = SafetensorsCheckpoint.read, [], [], 0
+
+    def counted_read(self, key):
+        nonlocal most_held
+        tensor = read(self, key)
+        keys.append(key)
+        held.append(weakref.ref(tensor))
+        most_held = max(most_held, sum(ref() is not None for ref in held))
+        return tensor
+
+    monkeypatch.setattr(SafetensorsCheckpoint, "read", counted_read)
+    load_inkling(checkpoint)
+    weight_map = json.loads((checkpoint / "model.safetensors.index.json").read_text())["weight_map"]
+    assert sorted(set(keys)) == sorted(weight_map)
+    assert most_held <= 3
 
 
 def test_a_loaded_model_has_a_built_models_layouts_and_dtypes(checkpoint):
