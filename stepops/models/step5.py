@@ -23,7 +23,8 @@ layer is the layer's own ``[num_slots, 256]`` tensor of e4m3 codes. Parameter na
 (``self_attn.q_proj.weight``, ``moe.gate_proj.weight``, ...): see :mod:`stepops.models.step5_weights`.
 :class:`Step5ForCausalLM` adds the reference's token embedding and output head (token ids to logits).
 The numbers (:class:`Step5Config`, the released model's ``STEP5_REFERENCE``) are in
-:mod:`stepops.models.step5_config`.
+:mod:`stepops.models.step5_config`. With a ``process_group``, the routed experts are split over its ranks by
+expert (expert parallelism, :class:`Step5MoE`); everything else is whole on every rank.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from collections.abc import MutableMapping
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -49,6 +51,7 @@ from stepops.models.metadata import (
 from stepops.models.moe import small_step_max_tokens
 from stepops.models.paged_attention import csa_region_scorer, paged_attention, sparse_region_attention, streaming_topk
 from stepops.models.step5_config import CSA, SLIDING, Llama3RopeScaling, Step5Config
+from stepops.models.tensor_parallel import TensorParallel, all_reduce_sum
 from stepops.ops.paged_kv_write import paged_kv_write
 from stepops.owners import PagedAttentionLayer, Step5CSATailRing
 
@@ -208,6 +211,16 @@ def dequantize_fp8_blocks(weight: torch.Tensor, scale_inv: torch.Tensor) -> torc
     return values[..., :out_features, :in_features]
 
 
+def check_step5_ep(config: Step5Config, ep_size: int) -> None:
+    """``ValueError`` unless expert parallelism over ``ep_size`` ranks gives each rank the same number of
+    routed experts (``moe_num_experts % ep_size == 0``; any size without MoE layers)."""
+    if config.moe_layers and config.moe_num_experts % ep_size:
+        raise ValueError(
+            f"Step5 expert parallelism needs moe_num_experts ({config.moe_num_experts}) divisible by the "
+            f"process group's size ({ep_size})"
+        )
+
+
 class StackedExpertWeight(nn.Module):
     """One ``[num_experts, out, in]`` weight (the checkpoint's ``moe.{gate,up,down}_proj.weight``).
 
@@ -304,24 +317,37 @@ class Step5MoE(nn.Module):
     product. An fp8 checkpoint's experts are held as e4m3 codes and block scales, dequantised to fp32 for
     each GEMM, whose inputs are rounded to e4m3 and which sums in fp32, as the reference's ``fp8_gemm``
     (:class:`StackedExpertWeight`).
+
+    Expert parallel (``ep``, a group of ``ep.size > 1`` ranks): rank ``r`` holds experts
+    ``[r E/ep, (r+1) E/ep)`` (the router is whole on every rank, which routes alike) and computes the
+    chosen outputs of those (token, slot) pairs, zeros elsewhere. One all-reduce of the ``[T, k, hidden]``
+    bf16 outputs then gives every rank each pair's output: one rank's value plus zeros, exact. The weighted
+    fp32 sum in slot order runs after it as on one rank, so the block's output is the unsharded block's,
+    bit for bit, at a step size where both take the same path. Each rank picks it by its own expert count
+    (``T * top_k < E / ep``: what a step reads), so a size between the two bounds takes the chosen-experts
+    path on one rank and the all-experts path on ``ep``: the same bits in bf16 on CPU, a few fp32 ulps
+    apart otherwise (above).
     """
 
-    def __init__(self, config: Step5Config, dtype: torch.dtype, limit: float) -> None:
+    def __init__(self, config: Step5Config, dtype: torch.dtype, limit: float, ep: TensorParallel = TensorParallel()) -> None:
         super().__init__()
         c = config
+        check_step5_ep(c, ep.size)
         self.top_k = c.moe_top_k
         self.scaling_factor = c.moe_router_scaling_factor
         self.renormalize = c.moe_renormalize
         self.limit = limit
+        self.ep = ep
+        num_experts = c.moe_num_experts // ep.size  # this rank's, from expert ep.rank * num_experts on
         self.gate = nn.Linear(c.hidden_size, c.moe_num_experts, bias=False, dtype=dtype)
         self.router_bias = nn.Parameter(torch.zeros(c.moe_num_experts, dtype=torch.float32))
-        self.gate_proj = StackedExpertWeight(c.moe_num_experts, c.moe_intermediate_size, c.hidden_size, dtype)
-        self.up_proj = StackedExpertWeight(c.moe_num_experts, c.moe_intermediate_size, c.hidden_size, dtype)
-        self.down_proj = StackedExpertWeight(c.moe_num_experts, c.hidden_size, c.moe_intermediate_size, dtype)
+        self.gate_proj = StackedExpertWeight(num_experts, c.moe_intermediate_size, c.hidden_size, dtype)
+        self.up_proj = StackedExpertWeight(num_experts, c.moe_intermediate_size, c.hidden_size, dtype)
+        self.down_proj = StackedExpertWeight(num_experts, c.hidden_size, c.moe_intermediate_size, dtype)
 
     @property
     def small_step_max_tokens(self) -> int:
-        """The largest token count that runs only the chosen experts (``T * top_k < num_experts``)."""
+        """The largest token count that runs only the chosen experts (``T * top_k <`` this rank's experts)."""
         return small_step_max_tokens(self.gate_proj.weight.shape[0], self.top_k)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -335,10 +361,20 @@ class Step5MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.route(x)
+        if self.ep.size > 1:
+            # This rank's index of each chosen expert; another rank's is clamped to one of ours, computed, and
+            # its output replaced by zero before the all-reduce.
+            num_experts = self.gate_proj.weight.shape[0]
+            ids = ids - self.ep.rank * num_experts
+            ours = (ids >= 0) & (ids < num_experts)
+            ids = ids.clamp(0, num_experts - 1)
         if x.shape[0] <= self.small_step_max_tokens:
             chosen = self.chosen_experts(x, ids)
         else:
             chosen = self.all_experts(x, ids)
+        if self.ep.size > 1:
+            # where, not a multiply: an expert run on another rank's token may overflow to inf
+            chosen = all_reduce_sum(torch.where(ours[:, :, None], chosen, 0), self.ep)
         out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
         for slot in range(self.top_k):
             out = out + chosen[:, slot].float() * weights[:, slot, None]
@@ -429,6 +465,9 @@ class Step5DecoderLayer(nn.Module):
     Registers its cache owners in ``static_forward_context`` under ``{prefix}.attn`` (and
     ``{prefix}.csa_ring``); the caches are bound later by :func:`stepops.allocator.allocate_kv_caches`.
     Run it under ``torch.inference_mode()`` (the cache ops have no autograd formula).
+
+    ``process_group``: ``None`` or a group of one is the unsharded layer; with more ranks, an MoE layer's
+    routed experts are split over them (:class:`Step5MoE`) and the rest is whole on every rank.
     """
 
     def __init__(
@@ -439,6 +478,7 @@ class Step5DecoderLayer(nn.Module):
         static_forward_context: MutableMapping[str, Any],
         prefix: str | None = None,
         dtype: torch.dtype = torch.bfloat16,
+        process_group: dist.ProcessGroup | None = None,
     ) -> None:
         super().__init__()
         c = config
@@ -451,7 +491,7 @@ class Step5DecoderLayer(nn.Module):
         self.self_attn = Step5Attention(c, self.kind, dtype)
         limit, shared_limit = c.swiglu_limits(layer_index)
         if self.is_moe:
-            self.moe = Step5MoE(c, dtype, limit)
+            self.moe = Step5MoE(c, dtype, limit, TensorParallel.from_group(process_group))
             self.share_expert = Step5MLP(c.hidden_size, c.share_expert_dim, shared_limit, dtype)
         else:
             self.mlp = Step5MLP(c.hidden_size, c.intermediate_size, limit, dtype)
@@ -552,14 +592,30 @@ class Step5Model(nn.Module):
     :meth:`allocate_caches` gives every layer its own caches; :meth:`forward` runs one step: it derives the
     per-token metadata from the step's :class:`StepBuffers` on the device, then carries the fp32 residual
     stream through every layer and returns ``norm(bf16(residual))`` ``[T, hidden]`` bf16.
+
+    ``process_group`` (expert parallelism, ``docs/tensor-parallel.md``): each rank holds its share of every
+    MoE layer's routed experts (the rest whole) and computes the unsharded model's outputs (:class:`Step5MoE`
+    says when bit for bit); load it with :func:`~stepops.models.step5_weights.load_step5` or
+    :func:`~stepops.models.step5_weights.load_step5_state_dict` of the whole checkpoint. ``ValueError`` when
+    the experts do not split evenly over the group.
     """
 
-    def __init__(self, config: Step5Config = Step5Config(), *, dtype: torch.dtype = torch.bfloat16) -> None:
+    def __init__(
+        self,
+        config: Step5Config = Step5Config(),
+        *,
+        dtype: torch.dtype = torch.bfloat16,
+        process_group: dist.ProcessGroup | None = None,
+    ) -> None:
         super().__init__()
         self.config = config
+        self.ep = TensorParallel.from_group(process_group)
+        check_step5_ep(config, self.ep.size)
         self.static_forward_context: dict[str, Any] = {}
         self.layers = nn.ModuleList(
-            Step5DecoderLayer(config, i, static_forward_context=self.static_forward_context, dtype=dtype)
+            Step5DecoderLayer(
+                config, i, static_forward_context=self.static_forward_context, dtype=dtype, process_group=process_group
+            )
             for i in range(len(config.layer_types))
         )
         self.norm = ZeroCentredRMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -657,8 +713,14 @@ class Step5ForCausalLM(Step5Model):
     :class:`~stepops.models.runner.StepRunner` built with ``inputs="tokens"`` runs it, ``generate`` included.
     """
 
-    def __init__(self, config: Step5Config = Step5Config(), *, dtype: torch.dtype = torch.bfloat16) -> None:
-        super().__init__(config, dtype=dtype)
+    def __init__(
+        self,
+        config: Step5Config = Step5Config(),
+        *,
+        dtype: torch.dtype = torch.bfloat16,
+        process_group: dist.ProcessGroup | None = None,
+    ) -> None:
+        super().__init__(config, dtype=dtype, process_group=process_group)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
         self.built_dtypes = tensor_dtypes(self)

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from stepops.models.checkpoint_files import (
@@ -36,6 +37,7 @@ from stepops.models.checkpoint_files import (
 from stepops.models.dtypes import tensor_dtypes
 from stepops.models.step5 import StackedExpertWeight, Step5ForCausalLM, Step5Model, check_fp8_blocks
 from stepops.models.step5_config import CSA, SLIDING, Llama3RopeScaling, Step5Config
+from stepops.models.tensor_parallel import TensorParallel
 from stepops.specs import check_int
 
 SCALE_SUFFIX = ".weight_scale_inv"
@@ -45,6 +47,8 @@ HEAD = "lm_head.weight"
 # its sparse (CSA) layers at its initial value, and its indexer scores with a weighted ReLU, which has no
 # softmax for it to scale. Dropped there only, after the same shape check a registered tensor gets.
 UNUSED = re.compile(r"layers\.(\d+)\.self_attn\.ssmax_s")
+# The routed experts' weights and scales: what an expert-parallel rank keeps a slice of (dim 0, by expert).
+ROUTED_EXPERT = re.compile(r"layers\.\d+\.moe\.(gate|up|down)_proj\.weight(_scale_inv)?")
 
 
 def load_step5_state_dict(
@@ -66,7 +70,13 @@ def load_step5_state_dict(
     initialised) is materialised on ``device`` as it loads: each parameter is allocated once, with the
     strides and dtype it was built with (fp8 experts as their codes: never a bf16 copy first), and the
     rotary frequencies are computed there. ``device`` is required for such a model (``ValueError``) and
-    refused for a model that is already allocated (``ValueError``: it is filled where it is)."""
+    refused for a model that is already allocated (``ValueError``: it is filled where it is).
+
+    A model built with an expert-parallel ``process_group`` takes the whole checkpoint on every rank and
+    keeps its own experts: each routed expert weight (and its ``weight_scale_inv``) is sliced along the
+    expert dimension before the checks, as a view, so only the rank's slice is copied (and of a
+    memory-mapped file, only its pages read). An expert tensor that does not hold all ``moe_num_experts``
+    experts is a ``ValueError``."""
     params = dict(model.named_parameters())
     on_meta = {param.is_meta for param in params.values()}
     if on_meta == {True, False}:
@@ -92,6 +102,8 @@ def load_step5_state_dict(
         else:
             unexpected.append(key)
             continue
+        if model.ep.size > 1 and ROUTED_EXPERT.fullmatch(name):
+            tensor = _rank_experts(key, tensor, model.config.moe_num_experts, model.ep)
         if name.endswith(SCALE_SUFFIX):
             scales[name[: -len(SCALE_SUFFIX)] + ".weight"] = tensor
         elif not _unused(model, name, tensor, key_of(name)):
@@ -133,6 +145,17 @@ def load_step5_state_dict(
             layer.self_attn.compute_rope_frequencies(model.config)
 
 
+def _rank_experts(key: str, tensor: torch.Tensor, num_experts: int, ep: TensorParallel) -> torch.Tensor:
+    """Rank ``ep.rank``'s experts of a whole checkpoint's routed expert tensor ``[num_experts, ...]``: a view."""
+    if tensor.dim() == 0 or tensor.shape[0] != num_experts:
+        raise ValueError(
+            f"{key}: an expert-parallel rank takes the whole checkpoint, {num_experts} experts along dim 0 "
+            f"(it keeps {num_experts // ep.size}), got shape {tuple(tensor.shape)}"
+        )
+    per_rank = num_experts // ep.size
+    return tensor.narrow(0, ep.rank * per_rank, per_rank)
+
+
 def _unused(model: Step5Model, name: str, tensor: torch.Tensor, key: str) -> bool:
     """Whether ``name`` is a CSA layer's unused ``ssmax_s`` (then dropped), after checking its shape and dtype;
     on another layer it is left to be reported as unexpected."""
@@ -160,7 +183,11 @@ def load_step5_safetensors(
 
 
 def load_step5(
-    path: str | Path, *, device: torch.device | str = "cpu", num_speculative_tokens: int = 3
+    path: str | Path,
+    *,
+    device: torch.device | str = "cpu",
+    num_speculative_tokens: int = 3,
+    process_group: dist.ProcessGroup | None = None,
 ) -> Step5ForCausalLM:
     """A :class:`~stepops.models.step5.Step5ForCausalLM` from a checkpoint directory as the reference's
     ``Step4ForCausalLM`` saves one: ``config.json`` (read by :func:`step5_config_from_reference`) and
@@ -174,6 +201,10 @@ def load_step5(
     weight with its checkpoint values (no random init; fp8 experts never held in bf16), so loading holds
     the checkpoint and the model at once, and nothing more. Its caches are not allocated
     (``allocate_caches`` or a :class:`~stepops.models.runner.StepRunner` does that).
+
+    ``process_group`` (expert parallelism, ``docs/tensor-parallel.md``): this rank's model, holding its share
+    of the routed experts (:class:`~stepops.models.step5.Step5Model`); every rank reads the same directory.
+    Experts that do not split evenly over the group are a ``ValueError`` before any weight is read.
     """
     path = Path(path)
     config_file = path / "config.json"
@@ -181,6 +212,8 @@ def load_step5(
         raise ValueError(f"{path}: no config.json (expected a Step5 checkpoint directory)")
     reference = read_json_object(config_file)
     config = step5_config_from_reference(reference, num_speculative_tokens=num_speculative_tokens)
+    with torch.device("meta"):
+        model = Step5ForCausalLM(config, process_group=process_group)
     state_dict = _read_safetensors(path)
     num_layers = len(config.layer_types)
     mtp_layers = range(num_layers, num_layers + _num_mtp_layers(reference))
@@ -188,8 +221,6 @@ def load_step5(
     skipped = [key for key in state_dict if key.startswith(mtp_prefixes)]
     for key in skipped:
         del state_dict[key]
-    with torch.device("meta"):
-        model = Step5ForCausalLM(config)
     load_step5_state_dict(model, state_dict, prefix="model.", device=device)
     if skipped:
         warnings.warn(

@@ -1,4 +1,5 @@
-"""Tensor parallelism for the Inkling decoder layers over ``torch.distributed`` (imports no model).
+"""Tensor parallelism for the Inkling decoder layers, expert parallelism for Step5's routed experts, over
+``torch.distributed`` (imports no model).
 
 Inkling is sharded by whole KV heads (each head's conv-state chunk stays on one rank): rank ``r`` of ``tp`` holds query heads
 ``[r Hq/tp, (r+1) Hq/tp)``, KV heads ``[r Hkv/tp, (r+1) Hkv/tp)`` and hidden channels
@@ -6,10 +7,14 @@ Inkling is sharded by whole KV heads (each head's conv-state chunk stays on one 
 ``(Hkv/tp) * hidden_per_head``: exactly the conv-stream width of the rank's cache heads, so the conv-state
 page keeps one ``D`` at every ``tp``. The residual stream ``[T, hidden]`` is replicated on every rank.
 
+Step5 shards only its routed experts, by expert (``stepops.models.step5.Step5MoE``); everything else, the
+caches included, is whole on every rank.
+
 - :class:`TensorParallel`: a process group with its size and this rank, read once (plain ints inside the
   compiled step).
 - :func:`reduce_scatter_hidden` / :func:`all_gather_hidden`: the two collectives around each output-stream
-  conv, as functional collectives so ``torch.compile(fullgraph=True)`` traces them without a break.
+  conv, as functional collectives so ``torch.compile(fullgraph=True)`` traces them without a break;
+  :func:`all_reduce_sum` the same for Step5's expert outputs.
 - :class:`ShardRule` / :func:`shard_state_dict`: a full (tp = 1) state dict -> one rank's shard, by a rule
   per key (the model says how its parameters shard: :func:`stepops.models.inkling.shard_inkling_state_dict`).
 - :func:`spawn_ranks`: start ``tp`` local processes joined in one group (gloo on CPU, NCCL on CUDA).
@@ -78,6 +83,12 @@ def reduce_scatter_hidden(partial: torch.Tensor, tp: TensorParallel) -> torch.Te
     # symbolic size, and its guard fails Dynamo's check of the dynamic token dimension.
     rows = partial.view(num_tokens, tp.size, hidden // tp.size).transpose(0, 1).reshape(-1, hidden // tp.size)
     return _reduce_scatter(rows, "sum", 0, tp.group)
+
+
+def all_reduce_sum(tensor: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+    """The elementwise sum of every rank's ``tensor``, on every rank, in its dtype (a functional collective:
+    traced by ``torch.compile(fullgraph=True)`` without a break)."""
+    return funcol.all_reduce(tensor, "sum", tp.group)
 
 
 def all_gather_hidden(shard: torch.Tensor, tp: TensorParallel) -> torch.Tensor:

@@ -363,9 +363,10 @@ def test_summary_cache_binding_checks():
         sliding.bind_summary_cache(torch.zeros(16, 256, dtype=torch.uint8))
 
 
-def _reference_config(types: list[str], **overrides) -> dict:
+def reference_config(types: list[str], **overrides) -> dict:
     """A checkpoint config.json object in the reference's Step4Config keys: ``types`` per layer, the last one
-    the MTP layer's; a CSA layer's rope 5e6 over a third of the head, a sliding one's 1e4 over all of it."""
+    the MTP layer's; a CSA layer's rope 5e6 over a third of the head, a sliding one's 1e4 over all of it (also
+    test_step5_expert_parallel's)."""
     full = [t == "full_attention" for t in types]
     return {
         "hidden_size": 64, "vocab_size": 128, "intermediate_size": 128, "num_hidden_layers": len(types) - 1,
@@ -381,7 +382,7 @@ def _reference_config(types: list[str], **overrides) -> dict:
 
 def test_the_released_config_reads_as_step5_reference():
     types = ["full_attention" if i % 4 == 3 else "sliding_attention" for i in range(92)] + ["full_attention"]
-    release = _reference_config(
+    release = reference_config(
         types, hidden_size=4096, vocab_size=128896, intermediate_size=13824, num_attention_heads=64, num_attention_groups=4,
         head_dim=192, rms_norm_eps=1e-5, sliding_window=512, moe_layer_list=list(range(3, 91)), moe_num_experts=352,
         moe_top_k=8, moe_intermediate_size=1536, share_expert_dim=1536, swiglu_limits=[7.0] * 93,
@@ -403,7 +404,7 @@ def test_a_config_reads_per_layer_settings_as_the_reference():
     lists are 7.0, no eos_token_id is [1, 2]. A dense layer's shared limit is unread (inf), even a 0 that a MoE
     layer would refuse."""
     types = ["sliding_attention", "full_attention", "full_attention"]
-    reference = _reference_config(
+    reference = reference_config(
         types, swiglu_limits=[0.5, 3.0, 9.0], swiglu_limits_shared=[2.0, 0, 9.0], moe_layer_list=[0, 2],
         norm_expert_weight=False, use_head_wise_attn_gate=False, rope_theta=[2e4, 1e6, 1e6],
         partial_rotary_factors=[1.0, 0.5, 0.25], vocab_size=96, eos_token_id=[7, 95],
@@ -417,7 +418,7 @@ def test_a_config_reads_per_layer_settings_as_the_reference():
     )  # fmt: skip
     assert step5_config_from_reference(reference, num_speculative_tokens=2) == want
     assert step5_config_from_reference({**reference, "eos_token_id": 3}).eos_token_ids == (3,)
-    no_lists = _reference_config(["full_attention", "full_attention"], sliding_window=None, use_moe=False)
+    no_lists = reference_config(["full_attention", "full_attention"], sliding_window=None, use_moe=False)
     del no_lists["vocab_size"]
     config = step5_config_from_reference(no_lists)
     assert (config.swiglu_limit, config.swiglu_limit_shared, config.moe_layers) == (7.0, 7.0, ())
@@ -429,7 +430,7 @@ def test_a_config_reads_per_layer_settings_as_the_reference():
 def test_keys_a_config_leaves_out_take_the_reference_defaults():
     """Step4Config's and Step4SparseConfig's defaults for the keys a config may leave out; the last of the
     three layer types is the one MTP layer that ``num_nextn_predict_layers`` (default 1) implies."""
-    reference = _reference_config(["sliding_attention", "full_attention", "full_attention"])
+    reference = reference_config(["sliding_attention", "full_attention", "full_attention"])
     for key in ("sliding_window", "num_nextn_predict_layers", "rms_norm_eps", "rope_theta", "partial_rotary_factors"):
         del reference[key]
     for key in ("sparse_indexer_rope_dim", "sparse_indexer_num_heads", "topk"):
@@ -454,7 +455,7 @@ def test_rope_scaling_reaches_the_layer_types_yarn_only_types_lists(yarn_only_ty
     """Step4Config.rope_scaling_for: ``rope_scaling`` applies to a layer whose type ``yarn_only_types``
     lists, and to every layer when that list is empty or absent. A number for ``rope_theta`` is every
     layer's (Step4Config repeats it)."""
-    reference = _reference_config(["full_attention"] * 3, rope_theta=5e5, rope_scaling=_LLAMA3)
+    reference = reference_config(["full_attention"] * 3, rope_theta=5e5, rope_scaling=_LLAMA3)
     if yarn_only_types is not None:
         reference["yarn_only_types"] = yarn_only_types
     config = step5_config_from_reference(reference)
@@ -493,9 +494,9 @@ _TYPES = ["sliding_attention", "full_attention", "full_attention"]
     ],
 )  # fmt: skip
 def test_configs_without_a_step5_reading_are_refused_by_key(overrides, match):
-    reference = _reference_config(_TYPES, **overrides)
+    reference = reference_config(_TYPES, **overrides)
     if "sparse_config" in overrides and overrides["sparse_config"] is not None:
-        reference["sparse_config"] = {**_reference_config(_TYPES)["sparse_config"], **overrides["sparse_config"]}
+        reference["sparse_config"] = {**reference_config(_TYPES)["sparse_config"], **overrides["sparse_config"]}
     with pytest.raises((ValueError, TypeError), match=match):
         step5_config_from_reference(reference)
 
@@ -503,14 +504,14 @@ def test_configs_without_a_step5_reading_are_refused_by_key(overrides, match):
 def test_keys_the_reference_model_does_not_read_are_ignored_as_it_ignores_them():
     """docs/models.md: StepFun's Step4Config stores these, its model never reads them (norms are fp32 and the
     head untied whatever they say; max_position_embeddings only sizes its rope tables)."""
-    reference = _reference_config(_TYPES)
+    reference = reference_config(_TYPES)
     unread = dict(norm_dtype="bfloat16", tie_word_embeddings=True, bos_token_id=5, max_position_embeddings=8,
                   quantization_config={"modules_to_not_convert": ["model.layers.0.moe"]})  # fmt: skip
     assert step5_config_from_reference({**reference, **unread}) == step5_config_from_reference(reference)
 
 
 def test_a_config_missing_a_geometry_key_names_it():
-    reference = _reference_config(_TYPES)
+    reference = reference_config(_TYPES)
     del reference["head_dim"]
     with pytest.raises(ValueError, match=r"the Step5 config has no 'head_dim'"):
         step5_config_from_reference(reference)
@@ -553,7 +554,7 @@ def test_a_reference_checkpoint_directory_loads_as_a_causal_lm(tmp_path):
     """load_step5 builds on the meta device and allocates each weight once, with its checkpoint values: the
     model it gives has the tensors of a model built, randomly initialised, then loaded (the rotary
     frequencies, which no checkpoint holds, computed on its device), and steps to the same logits."""
-    reference = _reference_config(["sliding_attention", "full_attention", "full_attention"])
+    reference = reference_config(["sliding_attention", "full_attention", "full_attention"])
     ours = _release_layout(tmp_path, reference)
     with pytest.warns(UserWarning, match=r"skipped 2 tensors of the multi-token-prediction layers 2\.\.2"):
         model = load_step5(tmp_path, num_speculative_tokens=2)
@@ -606,7 +607,7 @@ def test_the_files_transformers_reads_are_the_ones_read(tmp_path):
     ``model.safetensors`` beside the shards wins (``save_pretrained`` in one file over a sharded save keeps
     the old shards): the files transformers' ``from_pretrained`` reads. Before, every ``*.safetensors`` file
     was read, and these directories were "in more than one file" errors."""
-    reference = _reference_config(["sliding_attention", "full_attention", "full_attention"])
+    reference = reference_config(["sliding_attention", "full_attention", "full_attention"])
     ours = _release_layout(tmp_path, reference)
     shards = sorted(tmp_path.glob("model-*.safetensors"))
     weight_map = {key: shard.name for shard in shards for key in load_file(shard)}
@@ -636,7 +637,7 @@ def test_the_files_transformers_reads_are_the_ones_read(tmp_path):
     ],
 )  # fmt: skip
 def test_a_reference_checkpoint_directory_that_does_not_match_is_refused(tmp_path, edit, match):
-    _release_layout(tmp_path, _reference_config(["sliding_attention", "full_attention", "full_attention"]), edit)
+    _release_layout(tmp_path, reference_config(["sliding_attention", "full_attention", "full_attention"]), edit)
     with pytest.raises(ValueError, match=match):
         load_step5(tmp_path)
 

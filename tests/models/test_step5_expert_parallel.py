@@ -1,0 +1,224 @@
+"""Expert-parallel Step5 (ep = 2, two CPU processes over gloo) == the unsharded model, bit for bit.
+
+Each rank holds half of every MoE layer's routed experts; attention, router, shared expert, norms and every
+cache are whole on each rank. A (token, slot)'s expert output comes from the one rank holding that expert
+and zeros from the others, so the all-reduce is exact and the layers' outputs are the unsharded ones'. Both
+ranks build the full model from one seed and run the scripted workload (chunked prefill, decode, verify with
+rejected drafts) through an ep = 2 model (eager, and compiled with ``fullgraph=True`` on ``aot_eager``) and
+through the full model. What is compared:
+
+- outputs and every cache: bitwise equal to the unsharded model's, on every rank (bf16 experts: steps of
+  4 tokens take the all-experts path here and the chosen-experts path on one rank, which give the same
+  bits in bf16 on CPU, tests/models/test_moe_small_step.py); a rank that holds the other rank's experts
+  differs;
+- compiled ep = 2 == eager ep = 2 bitwise, one graph per token range, no graph break; steps of T = 2 ran
+  only the chosen experts (``T * k <`` the rank's 8 experts), longer ones every expert of the rank;
+- ``load_step5(process_group=)`` of a saved fp8 checkpoint: each rank holds its experts' e4m3 codes and
+  block scales, the rest whole, and steps to the unsharded load's logits;
+- refusals: experts that do not split over the ranks, a checkpoint without all of them.
+
+The two processes start once per module; each rank records its checks in a JSON file the tests read.
+"""
+
+from __future__ import annotations
+
+import json
+import traceback
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch._dynamo.testing
+import torch.distributed as dist
+from safetensors.torch import save_file
+from test_step5_weights import reference_config
+from torch._dynamo.utils import counters
+
+from stepops.models import Step5Config, Step5Model
+from stepops.models.runner import COMPILED, EAGER, ScheduledRequest, StepRunner, Workload, run_workload
+from stepops.models.step5 import Step5MoE
+from stepops.models.step5_weights import ROUTED_EXPERT, load_step5, load_step5_state_dict, step5_config_from_reference
+from stepops.models.tensor_parallel import spawn_ranks
+from stepops.testing.step5_checkpoint import random_step5_checkpoint
+
+EP = 2
+# Both layers MoE (the sliding one and the CSA one), 16 experts top-2: 8 per rank, so steps of T = 2 run the
+# rank's chosen experts (T * k < 8) and steps of 4 and 8 all of its experts.
+CONFIG = Step5Config(moe_layers=(0, 1), moe_num_experts=16)
+PER_RANK = CONFIG.moe_num_experts // EP
+WORKLOAD = Workload(prompt_lens=(13, 6, 3), decode_lens=(6, 8, 7), num_speculative_tokens=3, token_budget=8)
+CHECKS = (
+    "holds_its_experts",
+    "eager_outputs_bitwise",
+    "caches_bitwise",
+    "other_ranks_experts_differ",
+    "ranks_replicated",
+    "compiled_equals_eager",
+    "compiled_one_graph_per_token_range_no_breaks",
+    "small_steps_ran_the_chosen_experts",
+    "fp8_checkpoint_loads_its_experts",
+    "uneven_experts_refused",
+    "a_sliced_checkpoint_refused",
+)
+
+
+def _runner(model: Step5Model, mode: str = EAGER, backend=None) -> StepRunner:
+    return StepRunner(
+        model,
+        max_requests=len(WORKLOAD.prompt_lens),
+        max_model_len=WORKLOAD.max_len,
+        max_tokens=WORKLOAD.token_budget,
+        device="cpu",
+        mode=mode,
+        compile_backend=backend,
+    )
+
+
+def _expert_parallel(state_dict: dict[str, torch.Tensor], *, other_ranks_experts: bool = False) -> Step5Model:
+    """An ep = 2 model loaded from the whole ``state_dict`` (this rank keeps its experts; with
+    ``other_ranks_experts``, the other rank's, by rolling the expert dimension by a rank's share)."""
+    if other_ranks_experts:
+        state_dict = {k: v.roll(PER_RANK, 0) if ROUTED_EXPERT.fullmatch(k) else v for k, v in state_dict.items()}
+    model = Step5Model(CONFIG, process_group=dist.group.WORLD)
+    load_step5_state_dict(model, state_dict)
+    return model
+
+
+def _save_fp8_checkpoint(directory: Path) -> None:
+    """A reference-layout directory (fp8 routed experts with their scales) of a two-layer MoE model."""
+    reference = reference_config(  # the last layer type is the MTP layer's: a checkpoint may leave it out
+        ["sliding_attention", "full_attention", "full_attention"], moe_layer_list=[0, 1], moe_num_experts=16
+    )
+    checkpoint = random_step5_checkpoint(step5_config_from_reference(reference), seed=5, causal_lm=True)
+    save_file({(k if k == "lm_head.weight" else f"model.{k}"): v for k, v in checkpoint.items()}, directory / "model.safetensors")
+    (directory / "config.json").write_text(json.dumps(reference))
+
+
+def _logits(model) -> list[torch.Tensor]:
+    """Logits of a prefill step of 8 tokens (every expert runs, on either model) and a decode step of 2
+    (only the chosen ones): the same path at both sizes on one rank and on two, so equal bit for bit."""
+    ids = torch.randint(0, model.config.vocab_size, (10,), generator=torch.Generator().manual_seed(1))
+    runner = StepRunner(model, max_requests=1, max_model_len=16, max_tokens=8, device="cpu", inputs="tokens")
+    return [runner.step([ScheduledRequest(0, 0, ids[:8])])[0], runner.step([ScheduledRequest(0, 8, ids[8:])])[0]]
+
+
+def _rank_checks(rank: int, ep_size: int, out_dir: str) -> None:
+    torch.set_num_threads(1)  # two ranks on two shared cores
+    torch.manual_seed(0)
+    full = Step5Model(CONFIG)
+    whole = full.state_dict()
+    want = run_workload(_runner(full), WORKLOAD, CONFIG.hidden_size)
+    eager = _expert_parallel(whole)
+    small_steps = []
+    chosen_experts = Step5MoE.chosen_experts
+    Step5MoE.chosen_experts = lambda self, *a: (small_steps.append(a[0].shape[0]), chosen_experts(self, *a))[1]
+    try:
+        got = run_workload(_runner(eager), WORKLOAD, CONFIG.hidden_size)
+    finally:
+        Step5MoE.chosen_experts = chosen_experts
+    swapped = run_workload(_runner(_expert_parallel(whole, other_ranks_experts=True)), WORKLOAD, CONFIG.hidden_size)
+    counters.clear()
+    backend = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    compiled_model = _expert_parallel(whole)
+    compiled_runner = _runner(compiled_model, COMPILED, backend)
+    compiled_runner.warm_up()  # every capture size: T = 2 (chosen experts) and T = 4, 8 (one dynamic graph)
+    compiled = run_workload(compiled_runner, WORKLOAD, CONFIG.hidden_size)
+    graph_breaks = dict(counters["graph_break"])
+    everyone = [None] * ep_size
+    dist.all_gather_object(everyone, [y for y in got.outputs])
+    ours = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
+    results: dict[str, str] = {}
+
+    def check(name, fn) -> None:
+        try:
+            fn()
+            results[name] = ""
+        except Exception:  # noqa: BLE001 - recorded for the test that reads it
+            results[name] = traceback.format_exc()
+
+    def holds_its_experts():
+        for (name, param), (full_name, full_param) in zip(eager.named_parameters(), full.named_parameters(), strict=True):
+            assert name == full_name
+            expected = full_param[ours] if ROUTED_EXPERT.fullmatch(name) else full_param
+            assert torch.equal(param, expected), name
+
+    def eager_outputs_bitwise():
+        for i, (y, x) in enumerate(zip(got.outputs, want.outputs)):
+            assert torch.equal(y, x), f"request {i}: {(y.float() - x.float()).abs().max()}"
+
+    def caches_bitwise():
+        for a, b in zip(eager.cache_tensors(), full.cache_tensors(), strict=True):
+            assert torch.equal(a, b)
+
+    def other_ranks_experts_differ():
+        same = [torch.equal(y, x) for y, x in zip(swapped.outputs, want.outputs)]
+        assert not any(same), f"outputs with the other rank's experts equal the unsharded ones: {same}"
+
+    def ranks_replicated():
+        for i, y in enumerate(got.outputs):
+            assert all(torch.equal(y, other[i]) for other in everyone), f"request {i} differs between ranks"
+
+    def compiled_equals_eager():
+        for i, (y, x) in enumerate(zip(compiled.outputs, got.outputs)):
+            assert torch.equal(y, x), f"request {i}"
+        for a, b in zip(compiled_model.cache_tensors(), eager.cache_tensors(), strict=True):
+            assert torch.equal(a, b), "caches"
+
+    def compiled_one_graph_per_token_range_no_breaks():
+        assert not graph_breaks, graph_breaks
+        assert compiled_runner.token_ranges == ((2, 3), (4, 8)), compiled_runner.token_ranges
+        assert backend.frame_count == 2, f"{backend.frame_count} graphs"
+
+    def small_steps_ran_the_chosen_experts():
+        assert small_steps and set(small_steps) == {2}, small_steps
+
+    def fp8_checkpoint_loads_its_experts():
+        directory = Path(out_dir, f"fp8_rank{rank}")  # one per rank: no rank reads a file another writes
+        directory.mkdir()
+        _save_fp8_checkpoint(directory)
+        sharded, unsharded = load_step5(directory, process_group=dist.group.WORLD), load_step5(directory)
+        moe, full_moe = sharded.layers[1].moe, unsharded.layers[1].moe
+        assert moe.down_proj.fp8 and moe.down_proj.weight.shape[0] == PER_RANK
+        for a, b in zip([*sharded.named_parameters(), *sharded.named_buffers()],
+                        [*unsharded.named_parameters(), *unsharded.named_buffers()], strict=True):
+            expected = b[1][ours] if ROUTED_EXPERT.fullmatch(b[0]) else b[1]
+            assert a[0] == b[0] and a[1].dtype == expected.dtype and a[1].stride() == expected.contiguous().stride(), a[0]
+            assert torch.equal(a[1].view(torch.uint8), expected.view(torch.uint8)), a[0]
+        for step, (x, y) in enumerate(zip(_logits(sharded), _logits(unsharded), strict=True)):
+            assert torch.equal(x, y), f"step {step}"
+        assert torch.equal(full_moe.down_proj.weight_scale_inv[ours], moe.down_proj.weight_scale_inv)
+
+    def uneven_experts_refused():
+        try:
+            Step5Model(Step5Config(moe_num_experts=3), process_group=dist.group.WORLD)
+        except ValueError as error:
+            assert "needs moe_num_experts (3) divisible by the process group's size (2)" in str(error), str(error)
+        else:
+            raise AssertionError("3 experts over 2 ranks were accepted")
+
+    def a_sliced_checkpoint_refused():
+        sliced = {k: v[ours] if ROUTED_EXPERT.fullmatch(k) else v for k, v in whole.items()}
+        try:
+            _expert_parallel(sliced)
+        except ValueError as error:
+            assert "takes the whole checkpoint, 16 experts along dim 0 (it keeps 8)" in str(error), str(error)
+        else:
+            raise AssertionError("a checkpoint holding 8 of 16 experts was accepted")
+
+    for name in CHECKS:
+        check(name, locals()[name])
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
+
+
+@pytest.fixture(scope="module")
+def rank_results(tmp_path_factory) -> list[dict[str, str]]:
+    out = tmp_path_factory.mktemp("ep")
+    spawn_ranks(_rank_checks, EP, str(out), timeout=timedelta(seconds=120))
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(EP)]
+
+
+@pytest.mark.parametrize("check", CHECKS)
+def test_two_ranks_match_one(rank_results, check):
+    failures = [f"rank {r}:\n{res[check]}" for r, res in enumerate(rank_results) if res[check]]
+    assert not failures, "\n".join(failures)
