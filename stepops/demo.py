@@ -8,10 +8,10 @@ compiled run and CUDA-graph replay must reproduce the eager run's committed outp
 ``MODE_VS_EAGER_ATOL + MODE_VS_EAGER_RTOL * |eager|``), with no graph break and no recompile. Each
 single-process model then generates greedily from token ids, with and without drafts: the same tokens.
 
-With ``tp > 1`` the Inkling stack runs tensor-parallel: the demo spawns ``tp`` local ranks (gloo on CPU,
-NCCL with one GPU per rank), each loads its shard of the same seeded weights, and every rank's outputs are
-checked against the eager run of the unsharded model. Step5 stays in one process (tensor parallelism here
-is Inkling's).
+With ``tp > 1`` each stack runs on ``tp`` spawned local ranks (gloo on CPU, NCCL with one GPU per rank):
+Inkling tensor-parallel (each rank a shard of every layer), Step5 expert-parallel (each rank its share of
+the routed experts, the rest whole). Each rank loads its part of the same seeded weights, and every rank's
+outputs are checked against the eager run of the unsharded model.
 
 What the demo shows is that the stacks run, compile and capture as one graph and agree with themselves.
 Whether they are right is the test suite's question: ``tests/models`` compares them with transformers'
@@ -40,6 +40,7 @@ from torch._dynamo.utils import counters
 
 from stepops.models import InklingConfig, InklingModel, Step5Config, Step5ForCausalLM, Step5Model
 from stepops.models.inkling import shard_inkling_state_dict
+from stepops.models.step5_weights import load_step5_state_dict
 from stepops.models.runner import COMPILED, CUDA_GRAPH, EAGER, TOKENS, StepRunner, Workload, run_workload
 from stepops.models.tensor_parallel import spawn_ranks
 from stepops.specs import check_int
@@ -50,7 +51,6 @@ _MODELS: tuple[tuple[str, Callable[[], torch.nn.Module]], ...] = (
     ("step5", partial(Step5ForCausalLM, Step5Config())),  # the stack on hidden inputs, and token ids for generation
     ("inkling", partial(InklingModel, InklingConfig())),
 )
-_TP_MODEL = "inkling"  # the stack that runs tensor-parallel with --tp > 1
 # A run in another mode (compiled, CUDA graph, tensor-parallel ranks) vs the eager single-process run, per
 # element: |err| <= atol + rtol * |eager|. Fused kernels and per-rank bf16 partial sums round a stage one bf16
 # ulp (2**-8 relative) apart, and a 2-layer stack compounds a few: 4 ulps (2**-6), and near 0 one ulp of the
@@ -223,8 +223,28 @@ def _greedy_generation(name: str, make: Callable[[], torch.nn.Module], device: t
     return {"new_tokens": new_tokens, "steps": plain.steps, "draft_steps": drafted.steps, "same_with_drafts": same}
 
 
-def _tp_rank(rank: int, tp_size: int, make, device_type: str, backend: str, workload: Workload, out_dir: str) -> None:
-    """One rank of the tensor-parallel run: eager and compiled rows into ``out_dir/rank{rank}.json``."""
+def _inkling_rank_model(full: InklingModel, rank: int, tp_size: int) -> InklingModel:
+    """This rank's tensor-parallel shard of ``full``."""
+    model = InklingModel(full.config, process_group=dist.group.WORLD)
+    model.load_state_dict(shard_inkling_state_dict(full.state_dict(), full.config, tp_rank=rank, tp_size=tp_size))
+    return model
+
+
+def _step5_rank_model(full: Step5Model, rank: int, tp_size: int) -> Step5Model:
+    """This rank's expert-parallel model of ``full``: it keeps its experts of the whole weights."""
+    model = type(full)(full.config, process_group=dist.group.WORLD)
+    load_step5_state_dict(model, full.state_dict())
+    return model
+
+
+# How a rank of --tp N holds each stack (the label says how it is split).
+_RANK_MODELS = {"inkling": ("tp", _inkling_rank_model), "step5": ("ep", _step5_rank_model)}
+
+
+def _tp_rank(
+    rank: int, tp_size: int, name: str, make, device_type: str, backend: str, workload: Workload, out_dir: str
+) -> None:
+    """One rank of stack ``name``'s multi-rank run: eager and compiled rows into ``out_dir/rank{rank}.json``."""
     if rank:  # rank 0 tells the story; the others' rows are merged by the parent
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - lives as long as the rank's process
     if device_type == "cuda":
@@ -234,22 +254,20 @@ def _tp_rank(rank: int, tp_size: int, make, device_type: str, backend: str, work
         torch.set_num_threads(max(1, torch.get_num_threads() // tp_size))
         device = torch.device("cpu")
 
-    def shard(full: InklingModel) -> InklingModel:
-        model = InklingModel(full.config, process_group=dist.group.WORLD)
-        model.load_state_dict(shard_inkling_state_dict(full.state_dict(), full.config, tp_rank=rank, tp_size=tp_size))
-        return model
-
-    rows = _run_modes(f"{_TP_MODEL} (tp={tp_size})", make, (EAGER, COMPILED), device, backend, workload, shard)
+    split, rank_model = _RANK_MODELS[name]
+    shard = partial(rank_model, rank=rank, tp_size=tp_size)
+    rows = _run_modes(f"{name} ({split}={tp_size})", make, (EAGER, COMPILED), device, backend, workload, shard)
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(rows, f)
 
 
-def _run_tensor_parallel(make, tp: int, dev: torch.device, backend: str) -> dict[str, dict]:
-    """Spawn ``tp`` ranks of ``make()`` sharded; their rows merged by :func:`merge_rank_rows`."""
+def _run_tensor_parallel(name: str, make, tp: int, dev: torch.device, backend: str) -> dict[str, dict]:
+    """Spawn ``tp`` ranks of stack ``name`` (``make()`` split as :data:`_RANK_MODELS` says); their rows merged
+    by :func:`merge_rank_rows`."""
     comm = "nccl" if dev.type == "cuda" else "gloo"
     _say(f"  {tp} ranks ({comm}), one process each; every rank checked against the unsharded eager run")
     with tempfile.TemporaryDirectory(prefix="stepops-demo-tp-") as out_dir:
-        spawn_ranks(_tp_rank, tp, make, dev.type, backend, WORKLOAD, out_dir, backend=comm)
+        spawn_ranks(_tp_rank, tp, name, make, dev.type, backend, WORKLOAD, out_dir, backend=comm)
         ranks = []
         for r in range(tp):
             with open(os.path.join(out_dir, f"rank{r}.json")) as f:
@@ -274,9 +292,10 @@ def check_demo_args(*, device: str, backend: str, tp: int, json_path: str | None
     int) with a one-line reason. Returns the device.
 
     The device must exist in this torch build, the backend be a registered ``torch.compile`` backend,
-    ``tp`` split the Inkling stack's KV heads into whole heads per rank and not exceed the GPUs (NCCL: one
-    per rank) or CPU cores (gloo) present, and ``json_path`` be a writable file path (checked first, so
-    minutes of results are never lost at the end).
+    ``tp`` split the Inkling stack's KV heads into whole heads per rank (its 2 heads also split the Step5
+    stack's 4 routed experts evenly) and not exceed the GPUs (NCCL: one per rank) or CPU cores (gloo)
+    present, and ``json_path`` be a writable file path (checked first, so minutes of results are never lost
+    at the end).
     """
     if device != "auto" and not re.fullmatch(r"cpu|cuda(:\d+)?", str(device)):
         raise ValueError(f"--device must be auto, cpu or cuda, got {device!r}")
@@ -313,7 +332,8 @@ def run_demo(*, json_path: str | None = None, device: str = "auto", backend: str
     """Run the demo; print the table; write ``json_path`` (strict JSON: a NaN error is the text ``"nan"``);
     return 0 when every check passed, else 1.
 
-    ``tp > 1`` runs the Inkling stack on ``tp`` spawned ranks (eager and compiled; no CUDA-graph mode).
+    ``tp > 1`` runs each stack on ``tp`` spawned ranks, Inkling tensor-parallel and Step5 expert-parallel
+    (eager and compiled; no CUDA-graph mode, no generation).
     Arguments are checked first (:func:`check_demo_args`, ``ValueError`` or ``TypeError``).
     """
     dev = check_demo_args(device=device, backend=backend, tp=tp, json_path=json_path)
@@ -322,16 +342,15 @@ def run_demo(*, json_path: str | None = None, device: str = "auto", backend: str
     _say(
         f"stepops demo on {dev}: {len(w.prompt_lens)} requests, prompts {w.prompt_lens}, decode {w.decode_lens}, "
         f"k = {w.num_speculative_tokens} speculative tokens, {w.token_budget}-token step budget"
-        + (f"; {_TP_MODEL} tensor-parallel over {tp} ranks, the other stacks in one process" if tp > 1 else "")
+        + (f"; over {tp} ranks, Inkling tensor-parallel and Step5 expert-parallel" if tp > 1 else "")
     )
     report: dict[str, dict] = {}
     for name, make in _MODELS:
-        sharded = tp > 1 and name == _TP_MODEL
-        if sharded:
-            _say(f"{name} (tp={tp}):")
-            rows = _run_tensor_parallel(make, tp, dev, backend)
+        if tp > 1:
+            _say(f"{name} ({_RANK_MODELS[name][0]}={tp}):")
+            rows = _run_tensor_parallel(name, make, tp, dev, backend)
         else:
-            _say(f"{name}:" + (" (single process)" if tp > 1 else ""))
+            _say(f"{name}:")
             rows = _run_modes(name, make, modes, dev, backend, WORKLOAD)
         compiled = rows[COMPILED]
         report[name] = {
@@ -344,12 +363,12 @@ def run_demo(*, json_path: str | None = None, device: str = "auto", backend: str
             "compiled_seconds": compiled["seconds"],
             "compile_seconds": compiled["warm_up_seconds"],
             "within_bound": all(r["within_bound"] for r in rows.values()),
-            "tp": tp if sharded else 1,
+            "tp": tp,
             "modes": rows,
         }
         if CUDA_GRAPH in rows:
             report[name]["cudagraph_seconds"] = rows[CUDA_GRAPH]["seconds"]
-        if not sharded:
+        if tp == 1:
             report[name]["generation"] = _greedy_generation(name, make, dev)
     _print_table(report)
     ok = checks_passed(report)
@@ -392,8 +411,9 @@ def _print_table(report: dict[str, dict]) -> None:
     lines = [header]
     for name, r in report.items():
         for mode, row in r["modes"].items():
+            label = name + (f" ({_RANK_MODELS[name][0]}={r['tp']})" if r["tp"] > 1 else "")
             lines.append((
-                name + (f" (tp={r['tp']})" if r["tp"] > 1 else ""), mode, str(row["steps"]), str(row["tokens"]),
+                label, mode, str(row["steps"]), str(row["tokens"]),
                 f"{row['seconds']:.2f}",
                 f"{row['max_abs_err_vs_eager']:g}", f"{row['rows_off']}/{row['rows']}",
                 "yes" if row["within_bound"] else "NO",
@@ -433,8 +453,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         type=int,
         default=1,
         metavar="N",
-        help="run the Inkling stack tensor-parallel on N spawned ranks (gloo on CPU, NCCL with N GPUs); "
-        "Step5 stays in one process (default: 1)",
+        help="run each stack on N spawned ranks (gloo on CPU, NCCL with N GPUs): Inkling tensor-parallel, "
+        "Step5 expert-parallel (default: 1)",
     )
     parser.set_defaults(run=_run)
 

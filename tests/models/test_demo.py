@@ -153,21 +153,22 @@ def test_largest_keeps_a_nan_wherever_it_is():
 
 
 def test_demo_tensor_parallel_reports_every_rank(tmp_path, monkeypatch, capsys):
-    """``--tp 2``: the Inkling stack on two spawned gloo ranks, its bound and graph breaks reported.
-
-    Only the Inkling stack runs (Step5's single-process path is the test above); the workload reaches the
-    ranks as an argument, so the monkeypatched one applies there too."""
+    """``--tp 2``: both stacks on two spawned gloo ranks each (Inkling tensor-parallel, Step5
+    expert-parallel), their bounds and graph breaks reported. The workload reaches the ranks as an
+    argument, so the monkeypatched one applies there too."""
     monkeypatch.setattr(stepops.demo, "WORKLOAD", Workload(prompt_lens=(11, 4), decode_lens=(5, 6), token_budget=8))
-    monkeypatch.setattr(stepops.demo, "_MODELS", tuple(m for m in stepops.demo._MODELS if m[0] == "inkling"))
     path = tmp_path / "demo.json"
     assert main(["demo", "--tp", "2", "--json", str(path), "--backend", "aot_eager", "--device", "cpu"]) == 0
     report = json.loads(path.read_text())
-    model = report["models"]["inkling"]
-    assert report["tp"] == 2 and model["tp"] == 2
-    assert model["graph_breaks"] == 0 and model["recompiles"] == 0 and model["within_bound"]
-    # Not bitwise vs the unsharded eager run (bf16 partial sums), but within a few bf16 ulps of the residual
-    # stream (|x| < 8).
-    assert 0 < model["max_abs_err_vs_eager"] <= 2**-3
-    assert model["steps"] > 0 and model["tokens"] > 0
+    assert report["tp"] == 2
+    for name, model in report["models"].items():
+        assert model["tp"] == 2, name
+        assert model["graph_breaks"] == 0 and model["recompiles"] == 0 and model["within_bound"], name
+        assert model["steps"] > 0 and model["tokens"] > 0 and "generation" not in model, name
+    # Inkling: not bitwise vs the unsharded eager run (bf16 partial sums), but within a few bf16 ulps of the
+    # residual stream (|x| < 8). Step5: its expert outputs are all-reduced exactly (one rank's value plus
+    # zeros), and its bf16 expert paths agree bitwise on CPU: the unsharded bits.
+    assert 0 < report["models"]["inkling"]["max_abs_err_vs_eager"] <= 2**-3
+    assert report["models"]["step5"]["max_abs_err_vs_eager"] == 0
     out = capsys.readouterr().out
-    assert "inkling (tp=2)" in out and "2 ranks (gloo)" in out and "all checks passed" in out
+    assert "inkling (tp=2)" in out and "step5 (ep=2)" in out and "2 ranks (gloo)" in out and "all checks passed" in out
