@@ -1,12 +1,13 @@
 """Whole Step5 and Inkling decoder layers on the stepops cache ops and a step runner.
 
 - :mod:`stepops.models.step5`: :class:`Step5DecoderLayer` (sliding-window and CSA layers), :class:`Step5Model`
-  (the stack) and :class:`Step5ForCausalLM` (with embedding and head).
+  (the stack) and :class:`Step5ForCausalLM` (with embedding and head), expert-parallel over a process group.
 - :mod:`stepops.models.step5_config`: :class:`Step5Config` and the released model's numbers.
 - :mod:`stepops.models.inkling`: :class:`InklingConfig`, :class:`InklingDecoderLayer`, :class:`InklingModel`
   (transformers 5.23.0's Inkling text decoder) and its tensor-parallel slicer ``shard_inkling_state_dict``.
 - :mod:`stepops.models.inkling_checkpoint`: ``load_inkling`` (a transformers checkpoint directory).
-- :mod:`stepops.models.checkpoint_files`: reading a checkpoint directory's JSON and safetensors files.
+- :mod:`stepops.models.checkpoint_files`: reading a checkpoint directory's JSON and safetensors files (headers
+  first, tensors one at a time).
 - :mod:`stepops.models.tensor_parallel`: a ``torch.distributed`` group as the layers see it (the
   collectives, the generic state-dict slicer, ``spawn_ranks``); imports no model.
 - :mod:`stepops.models.metadata`: the step's fixed-size buffers and the on-device metadata builders.

@@ -329,7 +329,9 @@ class Step5MoE(nn.Module):
     apart otherwise (above).
     """
 
-    def __init__(self, config: Step5Config, dtype: torch.dtype, limit: float, ep: TensorParallel = TensorParallel()) -> None:
+    def __init__(
+        self, config: Step5Config, dtype: torch.dtype, limit: float, ep: TensorParallel = TensorParallel()
+    ) -> None:
         super().__init__()
         c = config
         check_step5_ep(c, ep.size)

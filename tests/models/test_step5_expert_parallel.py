@@ -23,23 +23,21 @@ The two processes start once per module; each rank records its checks in a JSON 
 from __future__ import annotations
 
 import json
-import traceback
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
 import torch._dynamo.testing
 import torch.distributed as dist
+from rank_checks import assert_every_rank_passed, record_checks, spawn_checks, workload_runner
 from safetensors.torch import save_file
 from test_step5_weights import reference_config
 from torch._dynamo.utils import counters
 
 from stepops.models import Step5Config, Step5Model
-from stepops.models.runner import COMPILED, EAGER, ScheduledRequest, StepRunner, Workload, run_workload
+from stepops.models.runner import COMPILED, ScheduledRequest, StepRunner, Workload, run_workload
 from stepops.models.step5 import Step5MoE
 from stepops.models.step5_weights import ROUTED_EXPERT, load_step5, load_step5_state_dict, step5_config_from_reference
-from stepops.models.tensor_parallel import spawn_ranks
 from stepops.testing.step5_checkpoint import random_step5_checkpoint
 
 EP = 2
@@ -63,18 +61,6 @@ CHECKS = (
 )
 
 
-def _runner(model: Step5Model, mode: str = EAGER, backend=None) -> StepRunner:
-    return StepRunner(
-        model,
-        max_requests=len(WORKLOAD.prompt_lens),
-        max_model_len=WORKLOAD.max_len,
-        max_tokens=WORKLOAD.token_budget,
-        device="cpu",
-        mode=mode,
-        compile_backend=backend,
-    )
-
-
 def _expert_parallel(state_dict: dict[str, torch.Tensor], *, other_ranks_experts: bool = False) -> Step5Model:
     """An ep = 2 model loaded from the whole ``state_dict`` (this rank keeps its experts; with
     ``other_ranks_experts``, the other rank's, by rolling the expert dimension by a rank's share)."""
@@ -91,7 +77,8 @@ def _save_fp8_checkpoint(directory: Path) -> None:
         ["sliding_attention", "full_attention", "full_attention"], moe_layer_list=[0, 1], moe_num_experts=16
     )
     checkpoint = random_step5_checkpoint(step5_config_from_reference(reference), seed=5, causal_lm=True)
-    save_file({(k if k == "lm_head.weight" else f"model.{k}"): v for k, v in checkpoint.items()}, directory / "model.safetensors")
+    saved = {(k if k == "lm_head.weight" else f"model.{k}"): v for k, v in checkpoint.items()}
+    save_file(saved, directory / "model.safetensors")
     (directory / "config.json").write_text(json.dumps(reference))
 
 
@@ -108,34 +95,27 @@ def _rank_checks(rank: int, ep_size: int, out_dir: str) -> None:
     torch.manual_seed(0)
     full = Step5Model(CONFIG)
     whole = full.state_dict()
-    want = run_workload(_runner(full), WORKLOAD, CONFIG.hidden_size)
+    want = run_workload(workload_runner(full, WORKLOAD), WORKLOAD, CONFIG.hidden_size)
     eager = _expert_parallel(whole)
     small_steps = []
     chosen_experts = Step5MoE.chosen_experts
     Step5MoE.chosen_experts = lambda self, *a: (small_steps.append(a[0].shape[0]), chosen_experts(self, *a))[1]
     try:
-        got = run_workload(_runner(eager), WORKLOAD, CONFIG.hidden_size)
+        got = run_workload(workload_runner(eager, WORKLOAD), WORKLOAD, CONFIG.hidden_size)
     finally:
         Step5MoE.chosen_experts = chosen_experts
-    swapped = run_workload(_runner(_expert_parallel(whole, other_ranks_experts=True)), WORKLOAD, CONFIG.hidden_size)
+    swapped_model = _expert_parallel(whole, other_ranks_experts=True)
+    swapped = run_workload(workload_runner(swapped_model, WORKLOAD), WORKLOAD, CONFIG.hidden_size)
     counters.clear()
     backend = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
     compiled_model = _expert_parallel(whole)
-    compiled_runner = _runner(compiled_model, COMPILED, backend)
+    compiled_runner = workload_runner(compiled_model, WORKLOAD, COMPILED, backend)
     compiled_runner.warm_up()  # every capture size: T = 2 (chosen experts) and T = 4, 8 (one dynamic graph)
     compiled = run_workload(compiled_runner, WORKLOAD, CONFIG.hidden_size)
     graph_breaks = dict(counters["graph_break"])
     everyone = [None] * ep_size
     dist.all_gather_object(everyone, [y for y in got.outputs])
     ours = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
-    results: dict[str, str] = {}
-
-    def check(name, fn) -> None:
-        try:
-            fn()
-            results[name] = ""
-        except Exception:  # noqa: BLE001 - recorded for the test that reads it
-            results[name] = traceback.format_exc()
 
     def holds_its_experts():
         for (name, param), (full_name, full_param) in zip(eager.named_parameters(), full.named_parameters(), strict=True):
@@ -206,19 +186,15 @@ def _rank_checks(rank: int, ep_size: int, out_dir: str) -> None:
         else:
             raise AssertionError("a checkpoint holding 8 of 16 experts was accepted")
 
-    for name in CHECKS:
-        check(name, locals()[name])
-    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
+    checks = locals()
+    record_checks({name: checks[name] for name in CHECKS}, rank, out_dir)
 
 
 @pytest.fixture(scope="module")
 def rank_results(tmp_path_factory) -> list[dict[str, str]]:
-    out = tmp_path_factory.mktemp("ep")
-    spawn_ranks(_rank_checks, EP, str(out), timeout=timedelta(seconds=120))
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(EP)]
+    return spawn_checks(_rank_checks, EP, tmp_path_factory.mktemp("ep"))
 
 
 @pytest.mark.parametrize("check", CHECKS)
 def test_two_ranks_match_one(rank_results, check):
-    failures = [f"rank {r}:\n{res[check]}" for r, res in enumerate(rank_results) if res[check]]
-    assert not failures, "\n".join(failures)
+    assert_every_rank_passed(rank_results, check)

@@ -25,22 +25,20 @@ JSON file that the tests below read.
 from __future__ import annotations
 
 import dataclasses
-import json
-import traceback
 from datetime import timedelta
-from pathlib import Path
 
 import pytest
 import torch
 import torch._dynamo.testing
 import torch.distributed as dist
+from rank_checks import assert_every_rank_passed, record_checks, spawn_checks, workload_runner
 from test_write_containment import run_contained_steps
 from torch._dynamo.utils import counters
 
 from stepops.layouts import InklingStream
 from stepops.models import InklingConfig, InklingDecoderLayer, InklingModel
 from stepops.models.inkling import DENSE, SPARSE, InklingMLP, InklingMoE, inkling_sharding, shard_inkling_state_dict
-from stepops.models.runner import COMPILED, EAGER, StepRunner, Workload, run_workload
+from stepops.models.runner import COMPILED, Workload, run_workload
 from stepops.models.tensor_parallel import spawn_ranks
 from stepops.testing import TOLERANCES
 
@@ -65,18 +63,6 @@ CHECKS = (
 )
 
 
-def _runner(model: InklingModel, mode: str = EAGER, backend=None) -> StepRunner:
-    return StepRunner(
-        model,
-        max_requests=len(WORKLOAD.prompt_lens),
-        max_model_len=WORKLOAD.max_len,
-        max_tokens=WORKLOAD.token_budget,
-        device="cpu",
-        mode=mode,
-        compile_backend=backend,
-    )
-
-
 def _sharded(full: InklingModel, rank: int, shard_of: int) -> InklingModel:
     model = InklingModel(CONFIG, process_group=dist.group.WORLD)
     model.load_state_dict(shard_inkling_state_dict(full.state_dict(), CONFIG, tp_rank=shard_of, tp_size=TP))
@@ -98,33 +84,26 @@ def _rank_checks(rank: int, tp_size: int, out_dir: str) -> None:
     torch.set_num_threads(1)  # two ranks on two shared cores
     torch.manual_seed(0)
     full = InklingModel(CONFIG)
-    want = run_workload(_runner(full), WORKLOAD, CONFIG.hidden_size)
+    want = run_workload(workload_runner(full, WORKLOAD), WORKLOAD, CONFIG.hidden_size)
     eager = _sharded(full, rank, shard_of=rank)
     small_steps = []
     chosen_experts = InklingMoE.chosen_experts
     InklingMoE.chosen_experts = lambda self, *a: (small_steps.append(a[0].shape[0]), chosen_experts(self, *a))[1]
     try:
-        got = run_workload(_runner(eager), WORKLOAD, CONFIG.hidden_size)
+        got = run_workload(workload_runner(eager, WORKLOAD), WORKLOAD, CONFIG.hidden_size)
     finally:
         InklingMoE.chosen_experts = chosen_experts
-    swapped = run_workload(_runner(_sharded(full, rank, shard_of=1 - rank)), WORKLOAD, CONFIG.hidden_size)
+    swapped_model = _sharded(full, rank, shard_of=1 - rank)
+    swapped = run_workload(workload_runner(swapped_model, WORKLOAD), WORKLOAD, CONFIG.hidden_size)
     counters.clear()
     backend = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
     compiled_model = _sharded(full, rank, shard_of=rank)
-    compiled_runner = _runner(compiled_model, COMPILED, backend)
+    compiled_runner = workload_runner(compiled_model, WORKLOAD, COMPILED, backend)
     compiled_runner.warm_up()  # every capture size: T = 2 (chosen experts) and T = 4, 8 (one dynamic graph)
     compiled = run_workload(compiled_runner, WORKLOAD, CONFIG.hidden_size)
     graph_breaks = dict(counters["graph_break"])
     everyone = [None] * tp_size
     dist.all_gather_object(everyone, [y for y in got.outputs])
-    results: dict[str, str] = {}
-
-    def check(name, fn) -> None:
-        try:
-            fn()
-            results[name] = ""
-        except Exception:  # noqa: BLE001 - recorded for the test that reads it
-            results[name] = traceback.format_exc()
 
     def eager_outputs_within_bound():
         for i, (y, x) in enumerate(zip(got.outputs, want.outputs)):
@@ -197,22 +176,18 @@ def _rank_checks(rank: int, tp_size: int, out_dir: str) -> None:
         # group's timeout and records that error as well.
         run_contained_steps(_sharded(full, rank, shard_of=rank))
 
-    for name in CHECKS:
-        check(name, locals()[name])
-    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
+    checks = locals()
+    record_checks({name: checks[name] for name in CHECKS}, rank, out_dir)
 
 
 @pytest.fixture(scope="module")
 def rank_results(tmp_path_factory) -> list[dict[str, str]]:
-    out = tmp_path_factory.mktemp("tp")
-    spawn_ranks(_rank_checks, TP, str(out), timeout=timedelta(seconds=120))
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(TP)]
+    return spawn_checks(_rank_checks, TP, tmp_path_factory.mktemp("tp"))
 
 
 @pytest.mark.parametrize("check", CHECKS)
 def test_two_ranks_match_one(rank_results, check):
-    failures = [f"rank {r}:\n{res[check]}" for r, res in enumerate(rank_results) if res[check]]
-    assert not failures, "\n".join(failures)
+    assert_every_rank_passed(rank_results, check)
 
 
 def _rank_one_fails(rank: int, tp_size: int) -> None:
