@@ -27,15 +27,13 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch._dynamo.testing
 import torch.distributed as dist
-from rank_checks import assert_every_rank_passed, record_checks, spawn_checks, workload_runner
+from rank_checks import assert_every_rank_passed, record_checks, run_sharded, shared_checks, spawn_checks
 from safetensors.torch import save_file
 from test_step5_weights import reference_config
-from torch._dynamo.utils import counters
 
 from stepops.models import Step5Config, Step5Model
-from stepops.models.runner import COMPILED, ScheduledRequest, StepRunner, Workload, run_workload
+from stepops.models.runner import ScheduledRequest, StepRunner, Workload
 from stepops.models.step5 import Step5MoE
 from stepops.models.step5_weights import ROUTED_EXPERT, load_step5, load_step5_state_dict, step5_config_from_reference
 from stepops.testing.step5_checkpoint import random_step5_checkpoint
@@ -95,26 +93,11 @@ def _rank_checks(rank: int, ep_size: int, out_dir: str) -> None:
     torch.manual_seed(0)
     full = Step5Model(CONFIG)
     whole = full.state_dict()
-    want = run_workload(workload_runner(full, WORKLOAD), WORKLOAD, CONFIG.hidden_size)
-    eager = _expert_parallel(whole)
-    small_steps = []
-    chosen_experts = Step5MoE.chosen_experts
-    Step5MoE.chosen_experts = lambda self, *a: (small_steps.append(a[0].shape[0]), chosen_experts(self, *a))[1]
-    try:
-        got = run_workload(workload_runner(eager, WORKLOAD), WORKLOAD, CONFIG.hidden_size)
-    finally:
-        Step5MoE.chosen_experts = chosen_experts
-    swapped_model = _expert_parallel(whole, other_ranks_experts=True)
-    swapped = run_workload(workload_runner(swapped_model, WORKLOAD), WORKLOAD, CONFIG.hidden_size)
-    counters.clear()
-    backend = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
-    compiled_model = _expert_parallel(whole)
-    compiled_runner = workload_runner(compiled_model, WORKLOAD, COMPILED, backend)
-    compiled_runner.warm_up()  # every capture size: T = 2 (chosen experts) and T = 4, 8 (one dynamic graph)
-    compiled = run_workload(compiled_runner, WORKLOAD, CONFIG.hidden_size)
-    graph_breaks = dict(counters["graph_break"])
-    everyone = [None] * ep_size
-    dist.all_gather_object(everyone, [y for y in got.outputs])
+    runs = run_sharded(
+        full, lambda shard_of: _expert_parallel(whole, other_ranks_experts=shard_of != rank), Step5MoE, WORKLOAD, rank,
+        ep_size,
+    )
+    eager = runs.eager_model
     ours = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
 
     def holds_its_experts():
@@ -124,7 +107,7 @@ def _rank_checks(rank: int, ep_size: int, out_dir: str) -> None:
             assert torch.equal(param, expected), name
 
     def eager_outputs_bitwise():
-        for i, (y, x) in enumerate(zip(got.outputs, want.outputs)):
+        for i, (y, x) in enumerate(zip(runs.eager.outputs, runs.whole.outputs)):
             assert torch.equal(y, x), f"request {i}: {(y.float() - x.float()).abs().max()}"
 
     def caches_bitwise():
@@ -132,26 +115,8 @@ def _rank_checks(rank: int, ep_size: int, out_dir: str) -> None:
             assert torch.equal(a, b)
 
     def other_ranks_experts_differ():
-        same = [torch.equal(y, x) for y, x in zip(swapped.outputs, want.outputs)]
+        same = [torch.equal(y, x) for y, x in zip(runs.swapped.outputs, runs.whole.outputs)]
         assert not any(same), f"outputs with the other rank's experts equal the unsharded ones: {same}"
-
-    def ranks_replicated():
-        for i, y in enumerate(got.outputs):
-            assert all(torch.equal(y, other[i]) for other in everyone), f"request {i} differs between ranks"
-
-    def compiled_equals_eager():
-        for i, (y, x) in enumerate(zip(compiled.outputs, got.outputs)):
-            assert torch.equal(y, x), f"request {i}"
-        for a, b in zip(compiled_model.cache_tensors(), eager.cache_tensors(), strict=True):
-            assert torch.equal(a, b), "caches"
-
-    def compiled_one_graph_per_token_range_no_breaks():
-        assert not graph_breaks, graph_breaks
-        assert compiled_runner.token_ranges == ((2, 3), (4, 8)), compiled_runner.token_ranges
-        assert backend.frame_count == 2, f"{backend.frame_count} graphs"
-
-    def small_steps_ran_the_chosen_experts():
-        assert small_steps and set(small_steps) == {2}, small_steps
 
     def fp8_checkpoint_loads_its_experts():
         directory = Path(out_dir, f"fp8_rank{rank}")  # one per rank: no rank reads a file another writes
@@ -186,7 +151,8 @@ def _rank_checks(rank: int, ep_size: int, out_dir: str) -> None:
         else:
             raise AssertionError("a checkpoint holding 8 of 16 experts was accepted")
 
-    checks = locals()
+    # steps of T = 2 run the rank's chosen experts, T = 4 and 8 all of its experts (one dynamic graph)
+    checks = {**locals(), **shared_checks(runs, token_ranges=((2, 3), (4, 8)), small_step_sizes={2})}
     record_checks({name: checks[name] for name in CHECKS}, rank, out_dir)
 
 

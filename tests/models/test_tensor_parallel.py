@@ -29,16 +29,14 @@ from datetime import timedelta
 
 import pytest
 import torch
-import torch._dynamo.testing
 import torch.distributed as dist
-from rank_checks import assert_every_rank_passed, record_checks, spawn_checks, workload_runner
+from rank_checks import assert_every_rank_passed, record_checks, run_sharded, shared_checks, spawn_checks
 from test_write_containment import run_contained_steps
-from torch._dynamo.utils import counters
 
 from stepops.layouts import InklingStream
 from stepops.models import InklingConfig, InklingDecoderLayer, InklingModel
 from stepops.models.inkling import DENSE, SPARSE, InklingMLP, InklingMoE, inkling_sharding, shard_inkling_state_dict
-from stepops.models.runner import COMPILED, Workload, run_workload
+from stepops.models.runner import Workload
 from stepops.models.tensor_parallel import spawn_ranks
 from stepops.testing import TOLERANCES
 
@@ -84,26 +82,8 @@ def _rank_checks(rank: int, tp_size: int, out_dir: str) -> None:
     torch.set_num_threads(1)  # two ranks on two shared cores
     torch.manual_seed(0)
     full = InklingModel(CONFIG)
-    want = run_workload(workload_runner(full, WORKLOAD), WORKLOAD, CONFIG.hidden_size)
-    eager = _sharded(full, rank, shard_of=rank)
-    small_steps = []
-    chosen_experts = InklingMoE.chosen_experts
-    InklingMoE.chosen_experts = lambda self, *a: (small_steps.append(a[0].shape[0]), chosen_experts(self, *a))[1]
-    try:
-        got = run_workload(workload_runner(eager, WORKLOAD), WORKLOAD, CONFIG.hidden_size)
-    finally:
-        InklingMoE.chosen_experts = chosen_experts
-    swapped_model = _sharded(full, rank, shard_of=1 - rank)
-    swapped = run_workload(workload_runner(swapped_model, WORKLOAD), WORKLOAD, CONFIG.hidden_size)
-    counters.clear()
-    backend = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
-    compiled_model = _sharded(full, rank, shard_of=rank)
-    compiled_runner = workload_runner(compiled_model, WORKLOAD, COMPILED, backend)
-    compiled_runner.warm_up()  # every capture size: T = 2 (chosen experts) and T = 4, 8 (one dynamic graph)
-    compiled = run_workload(compiled_runner, WORKLOAD, CONFIG.hidden_size)
-    graph_breaks = dict(counters["graph_break"])
-    everyone = [None] * tp_size
-    dist.all_gather_object(everyone, [y for y in got.outputs])
+    runs = run_sharded(full, lambda shard_of: _sharded(full, rank, shard_of), InklingMoE, WORKLOAD, rank, tp_size)
+    got, want, eager = runs.eager, runs.whole, runs.eager_model
 
     def eager_outputs_within_bound():
         for i, (y, x) in enumerate(zip(got.outputs, want.outputs)):
@@ -138,27 +118,9 @@ def _rank_checks(rank: int, tp_size: int, out_dir: str) -> None:
         tol = TOLERANCES["tensor_parallel_vs_single_rank"]
         outside = [
             bool(((y.float() - x.float()).abs() > tol.atol + tol.rtol * x.float().abs()).any())
-            for y, x in zip(swapped.outputs, want.outputs)
+            for y, x in zip(runs.swapped.outputs, want.outputs)
         ]
         assert all(outside), f"outputs with the other rank's weights stayed inside the bound: {outside}"
-
-    def ranks_replicated():
-        for i, y in enumerate(got.outputs):
-            assert all(torch.equal(y, other[i]) for other in everyone), f"request {i} differs between ranks"
-
-    def compiled_equals_eager():
-        for i, (y, x) in enumerate(zip(compiled.outputs, got.outputs)):
-            assert torch.equal(y, x), f"request {i}"
-        for a, b in zip(compiled_model.cache_tensors(), eager.cache_tensors()):
-            assert torch.equal(a, b), "caches"
-
-    def compiled_one_graph_per_token_range_no_breaks():
-        assert not graph_breaks, graph_breaks
-        assert compiled_runner.token_ranges == ((2, 3), (4, 8)), compiled_runner.token_ranges
-        assert backend.frame_count == 2, f"{backend.frame_count} graphs"
-
-    def small_steps_ran_the_chosen_experts():
-        assert small_steps and set(small_steps) == {2}, small_steps
 
     def tp_above_kv_heads_refused():
         context: dict = {}
@@ -176,7 +138,8 @@ def _rank_checks(rank: int, tp_size: int, out_dir: str) -> None:
         # group's timeout and records that error as well.
         run_contained_steps(_sharded(full, rank, shard_of=rank))
 
-    checks = locals()
+    # steps of T = 2 run the chosen experts' shards, T = 4 and 8 every expert's (one dynamic graph)
+    checks = {**locals(), **shared_checks(runs, token_ranges=((2, 3), (4, 8)), small_step_sizes={2})}
     record_checks({name: checks[name] for name in CHECKS}, rank, out_dir)
 
 
