@@ -40,8 +40,8 @@ from torch._dynamo.utils import counters
 
 from stepops.models import InklingConfig, InklingModel, Step5Config, Step5ForCausalLM, Step5Model
 from stepops.models.inkling import shard_inkling_state_dict
-from stepops.models.step5_weights import load_step5_state_dict
 from stepops.models.runner import COMPILED, CUDA_GRAPH, EAGER, TOKENS, StepRunner, Workload, run_workload
+from stepops.models.step5_weights import load_step5_state_dict
 from stepops.models.tensor_parallel import spawn_ranks
 from stepops.specs import check_int
 
