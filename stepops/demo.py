@@ -5,13 +5,14 @@ and global) run the same kind of workload: several requests, prompts split into 
 decode and speculative verify steps whose rejected drafts the next step overwrites. Each model runs eagerly,
 compiled with ``torch.compile(fullgraph=True)`` and, with a GPU, replayed from CUDA graphs; every run's
 compiled run and CUDA-graph replay must reproduce the eager run's committed outputs (within
-``MODE_VS_EAGER_ATOL + MODE_VS_EAGER_RTOL * |eager|``), with no graph break and no recompile. Each
-single-process model then generates greedily from token ids, with and without drafts: the same tokens.
+``MODE_VS_EAGER_ATOL + MODE_VS_EAGER_RTOL * |eager|``), with no graph break and no recompile. Each model
+then generates greedily from token ids, with and without drafts: the same tokens.
 
 With ``tp > 1`` each stack runs on ``tp`` spawned local ranks (gloo on CPU, NCCL with one GPU per rank):
 Inkling tensor-parallel (each rank a shard of every layer), Step5 expert-parallel (each rank its share of
 the routed experts, the rest whole). Each rank loads its part of the same seeded weights, and every rank's
-outputs are checked against the eager run of the unsharded model.
+outputs are checked against the eager run of the unsharded model; every rank generates, and must emit the
+same tokens as the others.
 
 What the demo shows is that the stacks run, compile and capture as one graph and agree with themselves.
 Whether they are right is the test suite's question: ``tests/models`` compares them with transformers'
@@ -220,7 +221,8 @@ def _greedy_generation(name: str, make: Callable[[], torch.nn.Module], device: t
     same = drafted.generate(prompts, new_tokens, draft=draft) == tokens
     _say(f"  {name} greedy generation: {new_tokens} tokens x 2 prompts in {plain.steps} steps; with drafts "
          f"{drafted.steps} steps, {'the same' if same else 'DIFFERENT'} tokens")
-    return {"new_tokens": new_tokens, "steps": plain.steps, "draft_steps": drafted.steps, "same_with_drafts": same}
+    return {"new_tokens": new_tokens, "steps": plain.steps, "draft_steps": drafted.steps, "same_with_drafts": same,
+            "tokens": tokens}
 
 
 def _inkling_rank_model(full: InklingModel, rank: int, tp_size: int) -> InklingModel:
@@ -244,7 +246,8 @@ _RANK_MODELS = {"inkling": ("tp", _inkling_rank_model), "step5": ("ep", _step5_r
 def _tp_rank(
     rank: int, tp_size: int, name: str, make, device_type: str, backend: str, workload: Workload, out_dir: str
 ) -> None:
-    """One rank of stack ``name``'s multi-rank run: eager and compiled rows into ``out_dir/rank{rank}.json``."""
+    """One rank of stack ``name``'s multi-rank run: its eager and compiled rows and its greedy generation
+    into ``out_dir/rank{rank}.json``."""
     if rank:  # rank 0 tells the story; the others' rows are merged by the parent
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - lives as long as the rank's process
     if device_type == "cuda":
@@ -257,13 +260,14 @@ def _tp_rank(
     split, rank_model = _RANK_MODELS[name]
     shard = partial(rank_model, rank=rank, tp_size=tp_size)
     rows = _run_modes(f"{name} ({split}={tp_size})", make, (EAGER, COMPILED), device, backend, workload, shard)
+    generation = _greedy_generation(f"{name} ({split}={tp_size})", lambda: shard(make()), device)
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump(rows, f)
+        json.dump({"modes": rows, "generation": generation}, f)
 
 
-def _run_tensor_parallel(name: str, make, tp: int, dev: torch.device, backend: str) -> dict[str, dict]:
+def _run_tensor_parallel(name: str, make, tp: int, dev: torch.device, backend: str) -> tuple[dict[str, dict], dict]:
     """Spawn ``tp`` ranks of stack ``name`` (``make()`` split as :data:`_RANK_MODELS` says); their rows merged
-    by :func:`merge_rank_rows`."""
+    by :func:`merge_rank_rows`, their generations by :func:`merge_rank_generations`."""
     comm = "nccl" if dev.type == "cuda" else "gloo"
     _say(f"  {tp} ranks ({comm}), one process each; every rank checked against the unsharded eager run")
     with tempfile.TemporaryDirectory(prefix="stepops-demo-tp-") as out_dir:
@@ -272,7 +276,7 @@ def _run_tensor_parallel(name: str, make, tp: int, dev: torch.device, backend: s
         for r in range(tp):
             with open(os.path.join(out_dir, f"rank{r}.json")) as f:
                 ranks.append(json.load(f))
-    return merge_rank_rows(ranks)
+    return merge_rank_rows([r["modes"] for r in ranks]), merge_rank_generations([r["generation"] for r in ranks])
 
 
 def merge_rank_rows(ranks: list[dict[str, dict]]) -> dict[str, dict]:
@@ -285,6 +289,16 @@ def merge_rank_rows(ranks: list[dict[str, dict]]) -> dict[str, dict]:
                 row[key] = largest(rank[mode][key] for rank in ranks)
         row["within_bound"] = all(rank[mode]["within_bound"] for rank in ranks)
     return rows
+
+
+def merge_rank_generations(ranks: list[dict]) -> dict:
+    """Rank 0's greedy generation, unchanged by drafts only if it is on every rank, and
+    ``same_on_every_rank``: whether every rank emitted the same tokens (each rank runs the same steps and
+    computes the same logits: a rank that does not is a sharding bug)."""
+    generation = dict(ranks[0])
+    generation["same_with_drafts"] = all(rank["same_with_drafts"] for rank in ranks)
+    generation["same_on_every_rank"] = all(rank["tokens"] == generation["tokens"] for rank in ranks)
+    return generation
 
 
 def check_demo_args(*, device: str, backend: str, tp: int, json_path: str | None) -> torch.device:
@@ -333,7 +347,7 @@ def run_demo(*, json_path: str | None = None, device: str = "auto", backend: str
     return 0 when every check passed, else 1.
 
     ``tp > 1`` runs each stack on ``tp`` spawned ranks, Inkling tensor-parallel and Step5 expert-parallel
-    (eager and compiled; no CUDA-graph mode, no generation).
+    (eager and compiled, no CUDA-graph mode; greedy generation on every rank).
     Arguments are checked first (:func:`check_demo_args`, ``ValueError`` or ``TypeError``).
     """
     dev = check_demo_args(device=device, backend=backend, tp=tp, json_path=json_path)
@@ -348,10 +362,11 @@ def run_demo(*, json_path: str | None = None, device: str = "auto", backend: str
     for name, make in _MODELS:
         if tp > 1:
             _say(f"{name} ({_RANK_MODELS[name][0]}={tp}):")
-            rows = _run_tensor_parallel(name, make, tp, dev, backend)
+            rows, generation = _run_tensor_parallel(name, make, tp, dev, backend)
         else:
             _say(f"{name}:")
             rows = _run_modes(name, make, modes, dev, backend, WORKLOAD)
+            generation = _greedy_generation(name, make, dev)
         compiled = rows[COMPILED]
         report[name] = {
             "graph_breaks": compiled["graph_breaks"],
@@ -365,11 +380,10 @@ def run_demo(*, json_path: str | None = None, device: str = "auto", backend: str
             "within_bound": all(r["within_bound"] for r in rows.values()),
             "tp": tp,
             "modes": rows,
+            "generation": generation,
         }
         if CUDA_GRAPH in rows:
             report[name]["cudagraph_seconds"] = rows[CUDA_GRAPH]["seconds"]
-        if tp == 1:
-            report[name]["generation"] = _greedy_generation(name, make, dev)
     _print_table(report)
     ok = checks_passed(report)
     if json_path:
@@ -397,10 +411,12 @@ def _strict_json(value):
 
 def checks_passed(report: dict[str, dict]) -> bool:
     """The demo's verdict on its per-model report: every model compiled without a graph break or a
-    recompile, every mode within the bound of its eager run, and greedy generation unchanged by drafts."""
+    recompile, every mode within the bound of its eager run, and greedy generation unchanged by drafts
+    (and, over ranks, the same on every rank)."""
     return all(
         r["graph_breaks"] == 0 and r["recompiles"] == 0 and r["within_bound"]
         and r.get("generation", {}).get("same_with_drafts", True)
+        and r.get("generation", {}).get("same_on_every_rank", True)
         for r in report.values()
     )
 

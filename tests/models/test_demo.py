@@ -11,7 +11,7 @@ from torch._dynamo.utils import counters
 
 import stepops.demo
 from stepops.cli import main
-from stepops.demo import checks_passed, largest, merge_rank_rows, within_bound
+from stepops.demo import checks_passed, largest, merge_rank_generations, merge_rank_rows, within_bound
 from stepops.models.runner import StepRunner, Workload
 
 
@@ -107,9 +107,21 @@ def test_checks_passed_fails_on_each_check_alone():
 
     generation = {"same_with_drafts": True}
     assert checks_passed({"step5": model(), "inkling": model(generation=generation)})
+    assert checks_passed({"step5": model(), "inkling": model(generation={**generation, "same_on_every_rank": True})})
     for bad in (dict(graph_breaks=1), dict(recompiles=1), dict(within_bound=False),
-                dict(generation={"same_with_drafts": False})):
+                dict(generation={"same_with_drafts": False}),
+                dict(generation={"same_with_drafts": True, "same_on_every_rank": False})):
         assert not checks_passed({"step5": model(), "inkling": model(**bad)}), bad
+
+
+def test_ranks_generations_merge_to_their_worst():
+    def rank(tokens, same_with_drafts=True):
+        return {"steps": 5, "tokens": tokens, "same_with_drafts": same_with_drafts}
+
+    merged = merge_rank_generations([rank([[1, 2]]), rank([[1, 2]])])
+    assert merged["same_with_drafts"] and merged["same_on_every_rank"] and merged["steps"] == 5
+    assert not merge_rank_generations([rank([[1, 2]]), rank([[1, 3]])])["same_on_every_rank"]
+    assert not merge_rank_generations([rank([[1, 2]]), rank([[1, 2]], same_with_drafts=False)])["same_with_drafts"]
 
 
 def test_only_step5_may_have_rows_off_and_no_model_a_non_finite_output():
@@ -164,7 +176,9 @@ def test_demo_tensor_parallel_reports_every_rank(tmp_path, monkeypatch, capsys):
     for name, model in report["models"].items():
         assert model["tp"] == 2, name
         assert model["graph_breaks"] == 0 and model["recompiles"] == 0 and model["within_bound"], name
-        assert model["steps"] > 0 and model["tokens"] > 0 and "generation" not in model, name
+        assert model["steps"] > 0 and model["tokens"] > 0, name
+        generation = model["generation"]
+        assert generation["same_with_drafts"] and generation["same_on_every_rank"], name
     # Inkling: not bitwise vs the unsharded eager run (bf16 partial sums), but within a few bf16 ulps of the
     # residual stream (|x| < 8). Step5: its expert outputs are all-reduced exactly (one rank's value plus
     # zeros), and its bf16 expert paths agree bitwise on CPU: the unsharded bits.
