@@ -233,7 +233,8 @@ def _inkling_rank_model(full: InklingModel, rank: int, tp_size: int) -> InklingM
 
 
 def _step5_rank_model(full: Step5Model, rank: int, tp_size: int) -> Step5Model:
-    """This rank's expert-parallel model of ``full``: it keeps its experts of the whole weights."""
+    """This rank's expert-parallel model of ``full``: it keeps its experts of the whole weights (which ones,
+    the group says: ``rank`` and ``tp_size`` are taken only for the signature every rank model shares)."""
     model = type(full)(full.config, process_group=dist.group.WORLD)
     load_step5_state_dict(model, full.state_dict())
     return model

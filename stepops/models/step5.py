@@ -211,16 +211,6 @@ def dequantize_fp8_blocks(weight: torch.Tensor, scale_inv: torch.Tensor) -> torc
     return values[..., :out_features, :in_features]
 
 
-def check_step5_ep(config: Step5Config, ep_size: int) -> None:
-    """``ValueError`` unless expert parallelism over ``ep_size`` ranks gives each rank the same number of
-    routed experts (``moe_num_experts % ep_size == 0``; any size without MoE layers)."""
-    if config.moe_layers and config.moe_num_experts % ep_size:
-        raise ValueError(
-            f"Step5 expert parallelism needs moe_num_experts ({config.moe_num_experts}) divisible by the "
-            f"process group's size ({ep_size})"
-        )
-
-
 class StackedExpertWeight(nn.Module):
     """One ``[num_experts, out, in]`` weight (the checkpoint's ``moe.{gate,up,down}_proj.weight``).
 
@@ -334,7 +324,11 @@ class Step5MoE(nn.Module):
     ) -> None:
         super().__init__()
         c = config
-        check_step5_ep(c, ep.size)
+        if c.moe_num_experts % ep.size:
+            raise ValueError(
+                f"Step5 expert parallelism needs moe_num_experts ({c.moe_num_experts}) divisible by the "
+                f"process group's size ({ep.size})"
+            )
         self.top_k = c.moe_top_k
         self.scaling_factor = c.moe_router_scaling_factor
         self.renormalize = c.moe_renormalize
@@ -611,8 +605,7 @@ class Step5Model(nn.Module):
     ) -> None:
         super().__init__()
         self.config = config
-        self.ep = TensorParallel.from_group(process_group)
-        check_step5_ep(config, self.ep.size)
+        self.ep = TensorParallel.from_group(process_group)  # each MoE layer checks that its experts split
         self.static_forward_context: dict[str, Any] = {}
         self.layers = nn.ModuleList(
             Step5DecoderLayer(

@@ -47,8 +47,6 @@ HEAD = "lm_head.weight"
 # its sparse (CSA) layers at its initial value, and its indexer scores with a weighted ReLU, which has no
 # softmax for it to scale. Dropped there only, after the same shape check a registered tensor gets.
 UNUSED = re.compile(r"layers\.(\d+)\.self_attn\.ssmax_s")
-# The routed experts' weights and scales: what an expert-parallel rank keeps a slice of (dim 0, by expert).
-ROUTED_EXPERT = re.compile(r"layers\.\d+\.moe\.(gate|up|down)_proj\.weight(_scale_inv)?")
 
 
 def load_step5_state_dict(
@@ -91,6 +89,7 @@ def load_step5_state_dict(
     def key_of(name: str) -> str:
         return name if name == HEAD else prefix + name
 
+    experts = {f"{n}.weight": m for n, m in model.named_modules() if isinstance(m, StackedExpertWeight)}
     tensors: dict[str, torch.Tensor] = {}
     scales: dict[str, torch.Tensor] = {}
     unexpected = []
@@ -102,10 +101,11 @@ def load_step5_state_dict(
         else:
             unexpected.append(key)
             continue
-        if model.ep.size > 1 and ROUTED_EXPERT.fullmatch(name):
+        scaled = name[: -len(SCALE_SUFFIX)] + ".weight" if name.endswith(SCALE_SUFFIX) else None
+        if model.ep.size > 1 and (scaled or name) in experts:  # an expert weight or its scales: keep ours
             tensor = _rank_experts(key, tensor, model.config.moe_num_experts, model.ep)
-        if name.endswith(SCALE_SUFFIX):
-            scales[name[: -len(SCALE_SUFFIX)] + ".weight"] = tensor
+        if scaled:
+            scales[scaled] = tensor
         elif not _unused(model, name, tensor, key_of(name)):
             tensors[name] = tensor
     unexpected += [key_of(n) for n in tensors if n not in params]
@@ -113,7 +113,6 @@ def load_step5_state_dict(
     missing = [key_of(n) for n in params if n not in tensors]
     if missing or unexpected:
         raise ValueError(f"Step5 checkpoint does not match the model: missing {missing}, unexpected {unexpected}")
-    experts = {f"{n}.weight": m for n, m in model.named_modules() if isinstance(m, StackedExpertWeight)}
     for name, param in params.items():  # every check before the first copy: a bad checkpoint changes nothing
         tensor = tensors[name]
         if name in scales:

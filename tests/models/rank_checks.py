@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
+import pytest
 import torch
 import torch._dynamo.testing
 import torch.distributed as dist
@@ -122,7 +123,8 @@ def record_checks(checks: Mapping[str, Callable[[], None]], rank: int, out_dir: 
         try:
             check()
             results[name] = ""
-        except Exception:  # noqa: BLE001 - recorded for the test that reads it
+        # pytest.raises' "DID NOT RAISE" is no Exception: caught too, so one failing check ends only itself
+        except (Exception, pytest.fail.Exception):  # noqa: BLE001 - recorded for the test that reads it
             results[name] = traceback.format_exc()
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
 
