@@ -436,17 +436,22 @@ def load_inkling(
 
 def _text_decoder_weights(key: str, tensor: torch.Tensor, multimodal: bool) -> list[tuple[str, torch.Tensor]] | None:
     """A checkpoint tensor as the stepops weights it gives, ``[(name, tensor)]`` (two for a fused gate/up
-    weight; conv weights as ``[C, W]``; a K or V half under its own name, fused later); ``None`` when it is
-    not the text decoder's. ``tensor`` may be a meta tensor: the loader checks the checkpoint's shapes with
-    the mapping it then loads it with."""
+    weight; conv weights, ``[C, 1, W]`` in the checkpoint (``ValueError`` otherwise), as ``[C, W]``; a K or V
+    half under its own name, fused later); ``None`` when it is not the text decoder's. ``tensor`` may be a
+    meta tensor: the loader checks the checkpoint's shapes with the mapping it then loads it with."""
     text_weights = _multimodal_text_names(key, tensor) if multimodal else [(key, tensor)]
     weights = []
     for text_key, text_tensor in text_weights or ():
         name = _stepops_name(text_key)
         if name is None:
             return None
-        if name.rsplit(".", 1)[-1] in _CONV_WEIGHTS and text_tensor.dim() == 3:
-            text_tensor = text_tensor.squeeze(1)  # nn.Conv1d's depthwise [C, 1, W] -> [C, W]
+        if name.rsplit(".", 1)[-1] in _CONV_WEIGHTS:
+            if text_tensor.dim() != 3 or text_tensor.shape[1] != 1:  # transformers refuses it too
+                raise ValueError(
+                    f"{key}: shape {tuple(text_tensor.shape)} is not a short-conv weight, which is nn.Conv1d's "
+                    "depthwise [channels, 1, kernel_size]"
+                )
+            text_tensor = text_tensor.squeeze(1)  # -> stepops' [C, W]
         weights.append((name, text_tensor))
     return weights or None
 

@@ -192,8 +192,13 @@ def test_multi_token_prediction_and_tower_weights_are_ignored_with_a_warning(che
         (lambda t: t.update({"model.projector.weight": torch.zeros(1)}), r"unexpected weights .*'model.projector.weight'"),
         (lambda t: t.update({"model.layers.1.mlp.gate_proj.weight": torch.zeros(1)}), r"unexpected weights .*'model.layers.1.mlp.gate_proj.weight'"),
         (lambda t: t.update({"model.norm.weight": torch.zeros(3)}), r"model.norm.weight: shape \(3,\) does not match the config's \(64,\)"),
+        # [C, W] holds the same numbers, but transformers refuses it (its load checks nn.Conv1d's shape)
+        (
+            lambda t: t.update({"model.layers.1.attn_sconv.conv1d.weight": t["model.layers.1.attn_sconv.conv1d.weight"][:, 0]}),
+            r"model.layers.1.attn_sconv.conv1d.weight: shape \(64, 4\) is not a short-conv weight, which is nn.Conv1d's depthwise \[channels, 1, kernel_size\]",
+        ),
     ],
-    ids=["missing", "unknown", "dense_weight_in_a_sparse_layer", "shape"],
+    ids=["missing", "unknown", "dense_weight_in_a_sparse_layer", "shape", "conv_weight_without_its_channel_dim"],
 )
 def test_bad_weights_are_errors_that_name_them(checkpoint, tmp_path, edit, message):
     with pytest.raises(ValueError, match=message):
