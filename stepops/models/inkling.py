@@ -62,7 +62,7 @@ from stepops.models.metadata import (
     build_inkling_metadata,
 )
 from stepops.models.moe import small_step_max_tokens
-from stepops.models.paged_attention import paged_attention
+from stepops.models.paged_attention import DEFAULT_KEYS_PER_CHUNK, paged_attention
 from stepops.models.tensor_parallel import (
     ShardRule,
     TensorParallel,
@@ -92,6 +92,10 @@ class InklingConfig:
     ``mlp_layer_types`` ``None`` makes every layer sparse (transformers' default). ``block_size`` is the
     attention KV cache's declared block size (the allocator may enlarge it). ``num_speculative_tokens`` (k,
     not a transformers setting): a verify step's k + 1 tokens of a request share one read of each KV page.
+    ``attention_keys_per_chunk`` (not a transformers setting either): the keys attention folds at a time
+    (:func:`~stepops.models.paged_attention.paged_attention`'s ``keys_per_chunk``): the step's transient
+    memory grows with it, and a global layer's compiled step unrolls ``context / it`` chunks (compile time,
+    and a GPU's kernel launches, grow with that count).
     ``eos_token_ids``: the end-of-sequence ids a runner's ``generate`` stops at by default (transformers'
     ``eos_token_id``; none for a config built here).
 
@@ -124,6 +128,7 @@ class InklingConfig:
     rms_norm_eps: float = 1e-6
     block_size: int = 16
     num_speculative_tokens: int = 3
+    attention_keys_per_chunk: int = DEFAULT_KEYS_PER_CHUNK
     layer_types: tuple[str, ...] = (SLIDING, GLOBAL)
     mlp_layer_types: tuple[str, ...] | None = None
     eos_token_ids: tuple[int, ...] = ()
@@ -163,7 +168,8 @@ class InklingConfig:
         # at transformers' own minimums: it builds and runs zero-width relative states and MLPs.
         kinds = set(self.layer_types)
         minimums = dict(
-            vocab_size=1, hidden_size=1, conv_kernel_size=1, block_size=1, d_rel=0, num_speculative_tokens=0
+            vocab_size=1, hidden_size=1, conv_kernel_size=1, block_size=1, d_rel=0, num_speculative_tokens=0,
+            attention_keys_per_chunk=1,
         )
         if SLIDING in kinds:
             minimums.update(swa_num_heads=1, swa_num_kv_heads=1, swa_head_dim=1, sliding_window=1)
@@ -537,6 +543,7 @@ class InklingDecoderLayer(nn.Module):
             sliding_window=self.sliding_window,
             distance_bias=self.relative_bias_table(h, position),
             query_tile=self.config.num_speculative_tokens + 1,
+            keys_per_chunk=self.config.attention_keys_per_chunk,
         )
         attn_out = self.o_proj(attn.flatten(1))
         hidden = hidden + self._output_conv(InklingStream.ATTN_OUT, attn_out, self.conv_attn, metadata)

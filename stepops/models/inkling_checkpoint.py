@@ -40,6 +40,7 @@ from stepops.models.checkpoint_files import (
     with_eos_token_ids,
 )
 from stepops.models.inkling import GLOBAL, SLIDING, InklingConfig, InklingModel, fuse_kv, shard_inkling_state_dict
+from stepops.models.paged_attention import DEFAULT_KEYS_PER_CHUNK
 from stepops.models.tensor_parallel import TensorParallel
 from stepops.specs import is_int
 
@@ -183,6 +184,7 @@ def config_from_transformers(
     *,
     block_size: int = 16,
     num_speculative_tokens: int = 3,
+    attention_keys_per_chunk: int = DEFAULT_KEYS_PER_CHUNK,
     generation_config: dict[str, Any] | None = None,
 ) -> InklingConfig:
     """An :class:`InklingConfig` from a transformers Inkling ``config.json`` dict (an ``InklingTextConfig``,
@@ -190,9 +192,10 @@ def config_from_transformers(
     transformers' aliases (``sconv_kernel_size``, ...) and ``dense_intermediate_size`` are read as it reads them.
 
     ``ValueError`` for another model type, an activation other than SiLU, a false ``is_causal``, an unknown
-    layer type or a missing field. ``block_size`` (the attention KV cache's declared block size) and
-    ``num_speculative_tokens`` (the drafts a verify step carries: the attention's query tile) are serving
-    settings, not transformers'.
+    layer type or a missing field. ``block_size`` (the attention KV cache's declared block size),
+    ``num_speculative_tokens`` (the drafts a verify step carries: the attention's query tile) and
+    ``attention_keys_per_chunk`` (:class:`~stepops.models.inkling.InklingConfig`) are serving settings, not
+    transformers'.
     ``eos_token_ids`` are where transformers' ``generate`` reads its stop ids: ``generation_config``'s
     ``eos_token_id`` (a ``generation_config.json`` dict) when one is given, else as
     ``GenerationConfig.from_model_config`` reads them, the config's own, else its ``text_config``'s.
@@ -221,7 +224,12 @@ def config_from_transformers(
             "attention is causal"
         )
     try:
-        config = _inkling_config(hf, block_size, num_speculative_tokens)
+        config = _inkling_config(
+            hf,
+            block_size=block_size,
+            num_speculative_tokens=num_speculative_tokens,
+            attention_keys_per_chunk=attention_keys_per_chunk,
+        )
     except KeyError as missing:
         raise ValueError(
             f"the Inkling config has no {missing.args[0]!r} (a config.json written by transformers' "
@@ -261,7 +269,8 @@ def _layer_types(hf: dict[str, Any]) -> tuple[list[str], list[str]]:
     return list(layer_types), list(mlp_layer_types)
 
 
-def _inkling_config(hf: dict[str, Any], block_size: int, num_speculative_tokens: int) -> InklingConfig:
+def _inkling_config(hf: dict[str, Any], **serving: int) -> InklingConfig:
+    """The config of transformers' fields ``hf`` and the serving settings (block size, ...)."""
     layer_types, mlp_layer_types = _layer_types(hf)
     unknown = sorted(set(layer_types) - set(_LAYER_TYPES))
     if unknown:
@@ -290,10 +299,9 @@ def _inkling_config(hf: dict[str, Any], block_size: int, num_speculative_tokens:
         log_scaling_alpha=hf["log_scaling_alpha"],
         logits_mup_width_multiplier=hf["logits_mup_width_multiplier"],
         rms_norm_eps=hf["rms_norm_eps"],
-        block_size=block_size,
-        num_speculative_tokens=num_speculative_tokens,
         layer_types=tuple(_LAYER_TYPES[kind] for kind in layer_types),
         mlp_layer_types=tuple(mlp_layer_types),
+        **serving,
     )
 
 
@@ -376,6 +384,7 @@ def load_inkling(
     dtype: torch.dtype = torch.bfloat16,
     block_size: int = 16,
     num_speculative_tokens: int = 3,
+    attention_keys_per_chunk: int = DEFAULT_KEYS_PER_CHUNK,
     process_group: dist.ProcessGroup | None = None,
 ) -> InklingModel:
     """Build an :class:`InklingModel` from a transformers checkpoint directory (see the module docstring).
@@ -383,6 +392,8 @@ def load_inkling(
     Weights are cast to ``dtype`` (bf16 for the cached step) except the short-conv weights, the router's
     ``global_scale`` and ``e_score_correction_bias``, which stay fp32 as transformers keeps them. The
     model's caches are not allocated (``model.allocate_caches`` or a :class:`StepRunner` does that).
+    ``block_size``, ``num_speculative_tokens`` and ``attention_keys_per_chunk`` are the serving settings
+    :func:`config_from_transformers` reads.
 
     ``process_group`` (``tp > 1`` ranks, ``docs/tensor-parallel.md``): this rank's shard, as
     :func:`~stepops.models.inkling.shard_inkling_state_dict` slices the whole model's weights. Every rank
@@ -409,7 +420,11 @@ def load_inkling(
     generation_file = path / "generation_config.json"
     generation_config = read_json_object(generation_file) if generation_file.exists() else None
     config = config_from_transformers(
-        hf, block_size=block_size, num_speculative_tokens=num_speculative_tokens, generation_config=generation_config
+        hf,
+        block_size=block_size,
+        num_speculative_tokens=num_speculative_tokens,
+        attention_keys_per_chunk=attention_keys_per_chunk,
+        generation_config=generation_config,
     )
     # Built on the meta device, so nothing is allocated or randomly initialised until the checkpoint has been
     # checked (from the files' headers, against the whole model's shapes, whatever this rank holds); then

@@ -33,9 +33,9 @@ from stepops.ops.step_metadata import TokenMetadata, paged_slots, table_blocks
 
 # A finite "no key yet" running max: exp(finite - finite) never makes inf - inf = NaN.
 _NO_MAX = torch.finfo(torch.float32).min
-# Default keys per chunk: at 64 decode requests of the tiny models one chunk's transient memory is 17 MiB
-# compiled (27 MiB eager), and a 16k-token context is 16 chunks unrolled into the graph (a few seconds of
-# Inductor compile); smaller chunks lower the peak and lengthen the compile.
+# Default keys per chunk (the models' ``attention_keys_per_chunk``): at 64 decode requests of the tiny models
+# one chunk's transient memory is 17 MiB compiled (27 MiB eager), and a 16k-token context is 16 chunks
+# unrolled into the graph; smaller chunks lower the peak and lengthen the compile (docs/models.md).
 DEFAULT_KEYS_PER_CHUNK = 1024
 
 

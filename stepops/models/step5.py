@@ -61,9 +61,6 @@ ROUTER_RENORM_EPS = 1e-20
 # block's scale max(amax, FP8_AMAX_FLOOR) / 448.
 FP8_BLOCK = 128
 FP8_AMAX_FLOOR = 1e-10
-# Regions the CSA indexer scores at a time: its transient memory is [T, chunk, 256] summaries, whatever the
-# context (a 16k-token context is 2048 regions: 16 chunks unrolled into the step's graph).
-INDEXER_REGIONS_PER_CHUNK = 128
 
 
 def rope_inv_freq(rotary_dim: int, theta: float, scaling: Llama3RopeScaling | None) -> torch.Tensor:
@@ -545,7 +542,7 @@ class Step5DecoderLayer(nn.Module):
         table, scale = metadata.attn_block_table, c.head_dim**-0.5
         if self.kind == SLIDING:
             out = paged_attention(q, kv_cache, table, metadata.token, scale=scale, sliding_window=c.sliding_window,
-                                  query_tile=c.num_speculative_tokens + 1)
+                                  query_tile=c.num_speculative_tokens + 1, keys_per_chunk=c.attention_keys_per_chunk)
         else:
             regions = self._select_regions(h, metadata)  # [T, G, index_top_k]
             out = sparse_region_attention(q, kv_cache, table, metadata.token, regions, scale=scale)
@@ -578,7 +575,7 @@ class Step5DecoderLayer(nn.Module):
             metadata.token,
         )
         num_regions = metadata.attn_block_table.shape[1] * self.attn.kv_cache.shape[1] // REGION_SIZE
-        values, ids = streaming_topk(scorer, num_regions, c.index_top_k, INDEXER_REGIONS_PER_CHUNK)
+        values, ids = streaming_topk(scorer, num_regions, c.index_top_k, c.indexer_regions_per_chunk)
         return torch.where(values > float("-inf"), ids, -1)
 
 

@@ -14,10 +14,14 @@ from dataclasses import dataclass, field, fields
 import torch
 
 from stepops.layouts import smallest_block_size
+from stepops.models.paged_attention import DEFAULT_KEYS_PER_CHUNK
 from stepops.specs import INT64_MIN, check_int, check_token_ids, is_int
 
 SLIDING = "sliding"
 CSA = "csa"
+# Regions the CSA indexer scores at a time: a 16k-token context is 2048 regions, 16 chunks of [T, 128, 256]
+# summaries.
+DEFAULT_INDEXER_REGIONS_PER_CHUNK = 128
 
 
 def _check_rope_theta(name: str, theta: float) -> None:
@@ -66,6 +70,13 @@ class Step5Config:
     ``eos_token_ids``: the end-of-sequence ids a runner's ``generate`` stops at by default (the reference's
     ``eos_token_id``; none for a config built here).
 
+    Serving settings, not the reference's: ``num_speculative_tokens`` (a verify step's drafts),
+    ``attention_keys_per_chunk`` (the keys a sliding layer's attention folds at a time) and
+    ``indexer_regions_per_chunk`` (the regions the CSA indexer scores at a time). A chunk's transient memory
+    grows with its size, and the compiled step unrolls ``context / size`` chunks per layer (compile time,
+    and a GPU's kernel launches, grow with that count); the results do not depend on them beyond fp32
+    rounding (the indexer's top-k not at all).
+
     Checks: every int field is an int (``TypeError``), used or not; values (``ValueError``) only where the
     layer and FFN kinds in use read them, as :class:`~stepops.models.inkling.InklingConfig` does: the
     indexer's and ``csa_*`` numbers with a CSA layer, the window and ``sliding_rope_theta`` with a sliding
@@ -84,6 +95,8 @@ class Step5Config:
     index_rope_dim: int = 32
     index_top_k: int = 2  # regions of 8 tokens selected per query and KV group, besides its own
     num_speculative_tokens: int = 3
+    attention_keys_per_chunk: int = DEFAULT_KEYS_PER_CHUNK
+    indexer_regions_per_chunk: int = DEFAULT_INDEXER_REGIONS_PER_CHUNK
     rms_norm_eps: float = 1e-5
     sliding_rope_theta: float = 1e4
     csa_rope_theta: float = 5e6
@@ -117,9 +130,11 @@ class Step5Config:
         kinds, has_moe = set(self.layer_types), bool(self.moe_layers)
         minimums = dict(hidden_size=1, vocab_size=1, num_heads=1, num_kv_heads=1, head_dim=1, num_speculative_tokens=0)
         if SLIDING in kinds:
-            minimums.update(sliding_window=1)
+            minimums.update(sliding_window=1, attention_keys_per_chunk=1)
         if CSA in kinds:
-            minimums.update(index_num_heads=1, index_proxy_dim=1, index_top_k=1, index_rope_dim=2)
+            minimums.update(
+                index_num_heads=1, index_proxy_dim=1, index_top_k=1, index_rope_dim=2, indexer_regions_per_chunk=1
+            )
         if len(self.moe_layers) < len(self.layer_types):
             minimums.update(intermediate_size=1)
         if has_moe:

@@ -36,7 +36,14 @@ from stepops.models.checkpoint_files import (
 )
 from stepops.models.dtypes import tensor_dtypes
 from stepops.models.step5 import StackedExpertWeight, Step5ForCausalLM, Step5Model, check_fp8_blocks
-from stepops.models.step5_config import CSA, SLIDING, Llama3RopeScaling, Step5Config
+from stepops.models.paged_attention import DEFAULT_KEYS_PER_CHUNK
+from stepops.models.step5_config import (
+    CSA,
+    DEFAULT_INDEXER_REGIONS_PER_CHUNK,
+    SLIDING,
+    Llama3RopeScaling,
+    Step5Config,
+)
 from stepops.models.tensor_parallel import TensorParallel
 from stepops.specs import check_int
 
@@ -186,6 +193,8 @@ def load_step5(
     *,
     device: torch.device | str = "cpu",
     num_speculative_tokens: int = 3,
+    attention_keys_per_chunk: int = DEFAULT_KEYS_PER_CHUNK,
+    indexer_regions_per_chunk: int = DEFAULT_INDEXER_REGIONS_PER_CHUNK,
     process_group: dist.ProcessGroup | None = None,
 ) -> Step5ForCausalLM:
     """A :class:`~stepops.models.step5.Step5ForCausalLM` from a checkpoint directory as the reference's
@@ -200,6 +209,8 @@ def load_step5(
     weight with its checkpoint values (no random init; fp8 experts never held in bf16), so loading holds
     the checkpoint and the model at once, and nothing more. Its caches are not allocated
     (``allocate_caches`` or a :class:`~stepops.models.runner.StepRunner` does that).
+    ``num_speculative_tokens``, ``attention_keys_per_chunk`` and ``indexer_regions_per_chunk`` are the
+    serving settings :func:`step5_config_from_reference` takes.
 
     ``process_group`` (expert parallelism, ``docs/tensor-parallel.md``): this rank's model, holding its share
     of the routed experts (:class:`~stepops.models.step5.Step5Model`); every rank reads the same directory.
@@ -210,7 +221,12 @@ def load_step5(
     if not config_file.is_file():
         raise ValueError(f"{path}: no config.json (expected a Step5 checkpoint directory)")
     reference = read_json_object(config_file)
-    config = step5_config_from_reference(reference, num_speculative_tokens=num_speculative_tokens)
+    config = step5_config_from_reference(
+        reference,
+        num_speculative_tokens=num_speculative_tokens,
+        attention_keys_per_chunk=attention_keys_per_chunk,
+        indexer_regions_per_chunk=indexer_regions_per_chunk,
+    )
     with torch.device("meta"):
         model = Step5ForCausalLM(config, process_group=process_group)
     state_dict = _read_safetensors(path)
@@ -263,11 +279,19 @@ _FIXED = (
 _DEFAULT_SWIGLU_LIMIT = 7.0  # Step4MoE / Step4DecoderLayer when swiglu_limits is empty
 
 
-def step5_config_from_reference(config: Mapping[str, Any], *, num_speculative_tokens: int = 3) -> Step5Config:
+def step5_config_from_reference(
+    config: Mapping[str, Any],
+    *,
+    num_speculative_tokens: int = 3,
+    attention_keys_per_chunk: int = DEFAULT_KEYS_PER_CHUNK,
+    indexer_regions_per_chunk: int = DEFAULT_INDEXER_REGIONS_PER_CHUNK,
+) -> Step5Config:
     """A :class:`~stepops.models.step5_config.Step5Config` from a Step5 checkpoint's ``config.json`` object, read as
     the reference's ``Step4Config`` reads it (the table in ``docs/models.md``). The main stack's
     ``num_hidden_layers`` layers are built; the trailing multi-token-prediction entries of the per-layer lists
-    are not read. ``num_speculative_tokens`` is the serving setting the ring is sized for (not in the config).
+    are not read. ``num_speculative_tokens`` (the ring is sized for it), ``attention_keys_per_chunk`` and
+    ``indexer_regions_per_chunk`` are serving settings (:class:`~stepops.models.step5_config.Step5Config`), not
+    in the config.
 
     ``ValueError`` naming the key for a missing geometry key, a layer type or rope setting without a mapping
     (values that vary within a layer kind, llama3 scaling on sliding layers, another scaling type), a
@@ -303,6 +327,8 @@ def step5_config_from_reference(config: Mapping[str, Any], *, num_speculative_to
             intermediate_size=c["intermediate_size"],
             sliding_window=c.get("sliding_window", 512) if SLIDING in kinds else Step5Config.sliding_window,
             num_speculative_tokens=num_speculative_tokens,
+            attention_keys_per_chunk=attention_keys_per_chunk,
+            indexer_regions_per_chunk=indexer_regions_per_chunk,
             rms_norm_eps=c.get("rms_norm_eps", 1e-5),
             **theta,
             **rotary,

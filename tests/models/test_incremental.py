@@ -148,7 +148,13 @@ _CSA_LAST_AND_FIRST = [
 ]
 
 
-@pytest.mark.parametrize("config", _CSA_LAST_AND_FIRST)
+@pytest.mark.parametrize(
+    "config",
+    _CSA_LAST_AND_FIRST
+    # The smallest chunks: sliding attention folds one 80-token block of keys at a time (windows across a block
+    # boundary take two), the indexer scores one region at a time (exact top-k for any chunk size).
+    + [pytest.param(Step5Config(attention_keys_per_chunk=1, indexer_regions_per_chunk=1), id="csa_last_smallest_chunks")],
+)
 @pytest.mark.parametrize("seed", range(2))
 def test_step5_long_sequences_past_top_k_regions(config, seed):
     """Sequences of up to 104 tokens (13 regions) against top-2: per-group selection, e4m3 scoring and the
@@ -276,6 +282,8 @@ def test_step5_fp8_experts_match_the_independent_recompute(config, seed):
         pytest.param(InklingConfig(layer_types=("global",), block_size=32), id="inkling_global_enlarged_blocks"),
         # Global conv pages twice the sliding ones: the unified page gives the layers conv blocks of 16 and 8.
         pytest.param(InklingConfig(head_dim=64), id="inkling_unequal_conv_pages"),
+        # Global layers fold their keys one block at a time (by default, all at once at these lengths).
+        pytest.param(InklingConfig(attention_keys_per_chunk=1), id="inkling_one_block_chunks"),
     ],
 )
 @pytest.mark.parametrize("seed", range(6))

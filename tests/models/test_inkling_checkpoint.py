@@ -75,14 +75,17 @@ def test_a_loaded_model_has_a_built_models_layouts_and_dtypes(checkpoint):
 
 def test_the_serving_settings_reach_the_loaded_model_and_leave_its_outputs(checkpoint):
     """num_speculative_tokens sets the attention's query tile (load_step5 takes it too; load_inkling had no
-    way to set it): a verify step of 1 + 7 tokens gives the same bits with either tile."""
+    way to set it): a verify step of 1 + 7 tokens gives the same bits with either tile (and with either
+    chunk size: these 12 keys are one chunk with both)."""
     torch.manual_seed(0)
     ids = torch.randint(0, 100, (12,))
     logits = []
-    for kwargs in (dict(), dict(block_size=32, num_speculative_tokens=7)):
+    for kwargs in (dict(), dict(block_size=32, num_speculative_tokens=7, attention_keys_per_chunk=32)):
         model = load_inkling(checkpoint, **kwargs)
-        settings = (model.config.block_size, model.config.num_speculative_tokens)
-        assert settings == (kwargs.get("block_size", 16), kwargs.get("num_speculative_tokens", 3))
+        settings = (model.config.block_size, model.config.num_speculative_tokens, model.config.attention_keys_per_chunk)
+        assert settings == (
+            kwargs.get("block_size", 16), kwargs.get("num_speculative_tokens", 3), kwargs.get("attention_keys_per_chunk", 1024)
+        )
         runner = StepRunner(model, max_requests=1, max_model_len=16, max_tokens=8, device="cpu", inputs="tokens")
         runner.step([ScheduledRequest(0, 0, ids[:4])])
         logits.append(runner.step([ScheduledRequest(0, 4, ids[4:])])[0])
@@ -383,6 +386,7 @@ def test_a_generation_configs_end_of_sequence_ids_replace_the_configs_unread():
         (dict(num_kv_heads=0), r"num_kv_heads must be >= 1, got 0"),
         (dict(rel_extent=0), r"rel_extent must be >= 1, got 0"),
         (dict(num_speculative_tokens=-1), r"num_speculative_tokens must be >= 0, got -1"),
+        (dict(attention_keys_per_chunk=0), r"attention_keys_per_chunk must be >= 1, got 0"),
         (dict(log_scaling_n_floor=0), r"log_scaling_n_floor must be None \(no log scaling\) or nonzero, got 0"),
         (dict(rms_norm_eps=-1e-6), r"rms_norm_eps must be >= 0"),
         # were accepted: transformers cannot build a negative width either (a RuntimeError at model build)
@@ -402,7 +406,7 @@ INT_FIELDS = (
     "vocab_size", "unpadded_vocab_size", "hidden_size", "num_heads", "num_kv_heads", "head_dim", "swa_num_heads",
     "swa_num_kv_heads", "swa_head_dim", "intermediate_size", "moe_intermediate_size", "n_routed_experts",
     "num_experts_per_tok", "n_shared_experts", "conv_kernel_size", "sliding_window", "d_rel", "rel_extent",
-    "log_scaling_n_floor", "block_size", "num_speculative_tokens",
+    "log_scaling_n_floor", "block_size", "num_speculative_tokens", "attention_keys_per_chunk",
 )
 
 

@@ -273,14 +273,17 @@ class _LayerTap:
         return taken
 
 
-def test_steps_equal_transformers_in_bf16(checkpoint, hf16, hf32):
+@pytest.mark.parametrize("keys_per_chunk", [None, 1], ids=["default_chunks", "one_block_chunks"])
+def test_steps_equal_transformers_in_bf16(checkpoint, hf16, hf32, keys_per_chunk):
     """Ragged chunked prefill, decode and verify steps with rejected drafts: every committed token's layer
-    outputs and logits vs transformers on the whole sequence."""
-    _steps_equal_transformers_in_bf16(checkpoint, hf16, hf32)
+    outputs and logits vs transformers on the whole sequence. With one-block attention chunks a global
+    layer folds its up to 40 keys in three chunks (by default, one)."""
+    chunking = {} if keys_per_chunk is None else dict(attention_keys_per_chunk=keys_per_chunk)
+    _steps_equal_transformers_in_bf16(checkpoint, hf16, hf32, **chunking)
 
 
-def _steps_equal_transformers_in_bf16(checkpoint, hf16, hf32) -> None:
-    model = load_inkling(checkpoint)
+def _steps_equal_transformers_in_bf16(checkpoint, hf16, hf32, **settings) -> None:
+    model = load_inkling(checkpoint, **settings)
     runner = StepRunner(model, max_requests=3, max_model_len=40, max_tokens=16, device="cpu", inputs=TOKENS)
     tap = _LayerTap(model)
     rng = random.Random(0)

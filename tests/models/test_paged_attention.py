@@ -576,6 +576,40 @@ def test_region_ids_that_are_not_integers_are_a_type_error():
         sparse_region_attention(step.query, step.kv_cache, step.block_table, step.token, torch.zeros(4, 1, 1), scale=1.0)
 
 
+@pytest.mark.parametrize("family", ["step5", "inkling"])
+def test_the_models_attend_in_the_chunks_their_configs_set(family, monkeypatch):
+    """``attention_keys_per_chunk`` reaches every ``paged_attention`` call of a step, and Step5's
+    ``indexer_regions_per_chunk`` every ``streaming_topk`` call (the oracle tests run the small chunks)."""
+    import stepops.models.inkling as inkling_module
+    import stepops.models.step5 as step5_module
+    from stepops.models import InklingConfig, InklingModel, Step5Config, Step5Model
+    from stepops.models.runner import ScheduledRequest, StepRunner
+
+    seen = []
+
+    def spy(module, name, chunk_of):
+        original = getattr(module, name)
+
+        def recorded(*args, **kwargs):
+            seen.append((name, chunk_of(args, kwargs)))
+            return original(*args, **kwargs)
+
+        monkeypatch.setattr(module, name, recorded)
+
+    if family == "step5":
+        spy(step5_module, "paged_attention", lambda args, kwargs: kwargs["keys_per_chunk"])
+        spy(step5_module, "streaming_topk", lambda args, kwargs: args[3])
+        model = Step5Model(Step5Config(attention_keys_per_chunk=48, indexer_regions_per_chunk=3))
+        want = {("paged_attention", 48), ("streaming_topk", 3)}
+    else:
+        spy(inkling_module, "paged_attention", lambda args, kwargs: kwargs["keys_per_chunk"])
+        model = InklingModel(InklingConfig(attention_keys_per_chunk=48))
+        want = {("paged_attention", 48)}
+    runner = StepRunner(model, max_requests=1, max_model_len=32, max_tokens=8, device="cpu")
+    runner.step([ScheduledRequest(0, 0, torch.randn(8, model.config.hidden_size).to(torch.bfloat16))])
+    assert set(seen) == want and len(seen) == len(model.layers)
+
+
 def test_no_model_module_imports_test_support():
     """The dense oracle and the recomputes live in stepops.testing; no model path may reach them."""
     import ast

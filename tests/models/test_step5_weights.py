@@ -272,6 +272,9 @@ def test_the_released_models_numbers():
         ({"num_speculative_tokens": True}, TypeError, "num_speculative_tokens must be an int, got bool"),
         ({"num_speculative_tokens": InklingStream.V}, TypeError, "num_speculative_tokens must be an int, got InklingStream"),
         ({"num_speculative_tokens": -1}, ValueError, "num_speculative_tokens must be >= 0, got -1"),
+        ({"attention_keys_per_chunk": 0}, ValueError, "attention_keys_per_chunk must be >= 1, got 0"),
+        ({"indexer_regions_per_chunk": 0}, ValueError, "indexer_regions_per_chunk must be >= 1, got 0"),
+        ({"indexer_regions_per_chunk": 128.0}, TypeError, "indexer_regions_per_chunk must be an int, got float"),
         # a sliding layer ropes the whole head in NEOX halves: an odd head failed mid-step (shape mismatch)
         ({"head_dim": 9}, ValueError, r"head_dim \(9\) must be even"),
         ({"rms_norm_eps": -1e-6}, ValueError, r"rms_norm_eps must be finite and >= 0"),  # was accepted: NaN outputs
@@ -307,9 +310,11 @@ _NO_CSA = {"layer_types": (SLIDING,), "moe_layers": ()}
         # divide 16 indexer heads (both were refused)
         {**_NO_CSA, "head_dim": 4},
         {**_NO_CSA, "num_heads": 3, "num_kv_heads": 3},
-        {**_NO_CSA, "index_proxy_dim": 128, "index_rope_dim": 0, "index_top_k": 0, "csa_rope_theta": float("nan")},
-        # no sliding layer: no window, no sliding rope (an odd head_dim was already allowed)
-        {"layer_types": (CSA,), "moe_layers": (), "sliding_window": 0, "sliding_rope_theta": 0.5, "head_dim": 9},
+        {**_NO_CSA, "index_proxy_dim": 128, "index_rope_dim": 0, "index_top_k": 0, "csa_rope_theta": float("nan"),
+         "indexer_regions_per_chunk": 0},
+        # no sliding layer: no window, no sliding rope, no paged attention (an odd head_dim was already allowed)
+        {"layer_types": (CSA,), "moe_layers": (), "sliding_window": 0, "sliding_rope_theta": 0.5, "head_dim": 9,
+         "attention_keys_per_chunk": 0},
         # no MoE layer: no experts; only MoE layers: no dense MLP
         {"moe_layers": (), "moe_num_experts": 0, "moe_top_k": 3, "share_expert_dim": 0, "moe_router_scaling_factor": float("nan")},
         {"moe_layers": (0, 1), "intermediate_size": 0},
@@ -556,10 +561,12 @@ def test_a_reference_checkpoint_directory_loads_as_a_causal_lm(tmp_path):
     frequencies, which no checkpoint holds, computed on its device), and steps to the same logits."""
     reference = reference_config(["sliding_attention", "full_attention", "full_attention"])
     ours = _release_layout(tmp_path, reference)
+    serving = dict(num_speculative_tokens=2, attention_keys_per_chunk=64, indexer_regions_per_chunk=1)
     with pytest.warns(UserWarning, match=r"skipped 2 tensors of the multi-token-prediction layers 2\.\.2"):
-        model = load_step5(tmp_path, num_speculative_tokens=2)
+        model = load_step5(tmp_path, **serving)
     assert type(model) is Step5ForCausalLM
-    assert model.config == step5_config_from_reference(reference, num_speculative_tokens=2)
+    assert model.config == step5_config_from_reference(reference, **serving)
+    assert {name: getattr(model.config, name) for name in serving} == serving
     want = Step5ForCausalLM(model.config)
     load_step5_state_dict(want, ours)
     _same_tensors(model, want)
