@@ -22,9 +22,13 @@ by ``StepRunner`` eager, compiled (``fullgraph=True``, dynamic ``T``) and, on CU
 graph. ``peak_*_mib``: as above, beyond the caches, weights and step buffers (on CUDA the allocator's peak
 minus what was allocated before). ``kv_read_mib``: what the step must read: each global layer the whole
 context, each sliding layer its window, each CSA layer its ``index_top_k + 1`` regions and every earlier
-region's 256-byte e4m3 summary (the indexer scores them all).
+region's 256-byte e4m3 summary (the indexer scores them all). ``first_run_s``: the first run of the step
+(in compiled mode, Inductor's compile, with its caches off). ``--attention-keys-per-chunk`` and ``--indexer-regions-per-chunk``
+set the models' chunk sizes (the compiled step unrolls ``context / size`` chunks per layer: fewer, larger
+chunks compile faster and hold more transient memory).
 
     python -m benchmarks.bench_attention [--model-step-only] [--modes eager compiled cudagraph] [--json PATH]
+        [--contexts N ...] [--attention-keys-per-chunk N] [--indexer-regions-per-chunk N]
 """
 
 from __future__ import annotations
@@ -32,12 +36,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
-from benchmarks.cli_args import add_device_arguments, check_device_argument, check_json_argument
+from benchmarks.cli_args import add_device_arguments, check_device_argument, check_json_argument, positive_int
 from benchmarks.harness import Settings, median_us, right_aligned
 from stepops.layouts import REGION_SIZE
 from stepops.testing.memory import peak_transient_bytes
@@ -171,16 +176,24 @@ def run_model_step(
     log: Callable[[str], None],
     contexts: tuple[int, ...] = CONTEXTS,
     modes: tuple[str, ...] | None = None,
+    attention_keys_per_chunk: int | None = None,
+    indexer_regions_per_chunk: int | None = None,
 ) -> dict[str, Any]:
-    """Peak transient memory and time of one whole-model decode step per model, context and mode."""
+    """Peak transient memory and time of one whole-model decode step per model, context and mode; the chunk
+    sizes the models' defaults unless given (the indexer's is Step5's only)."""
     from stepops.models import InklingConfig, InklingModel, Step5Config, Step5Model
     from stepops.models.runner import COMPILED, CUDA_GRAPH, EAGER, ScheduledRequest, StepRunner
 
     device = settings.device
     if modes is None:
         modes = (EAGER, COMPILED) + ((CUDA_GRAPH,) if device.type == "cuda" else ())
+    keys = {} if attention_keys_per_chunk is None else dict(attention_keys_per_chunk=attention_keys_per_chunk)
+    regions = {} if indexer_regions_per_chunk is None else dict(indexer_regions_per_chunk=indexer_regions_per_chunk)
     rows = []
-    for name, model_cls, config in (("step5", Step5Model, Step5Config()), ("inkling", InklingModel, InklingConfig())):
+    for name, model_cls, config in (
+        ("step5", Step5Model, Step5Config(**keys, **regions)),
+        ("inkling", InklingModel, InklingConfig(**keys)),
+    ):
         for context in contexts:
             gen = torch.Generator().manual_seed(context)
             batch = [
@@ -197,11 +210,18 @@ def run_model_step(
                 for i in range(NUM_REQUESTS):
                     runner.assume_fed(i, context - 1)  # a decode step at the context's end, without its prefill
                 size = runner.padded_size(runner._fill_buffers(batch))
-                if mode == CUDA_GRAPH:
-                    runner._capture(size)  # only the decode step's size
-                else:
-                    runner._run(size)  # compiles in compiled mode
-                row = {"model": name, "mode": mode, "context": context,
+                start = time.perf_counter()
+                # No cache hits: compiled mode's first run is a whole Inductor compile.
+                with torch._inductor.config.patch(force_disable_caches=True):
+                    if mode == CUDA_GRAPH:
+                        runner._capture(size)  # only the decode step's size
+                    else:
+                        runner._run(size)  # compiles in compiled mode
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                row = {"model": name, "mode": mode, "context": context, "first_run_s": time.perf_counter() - start,
+                       "attention_keys_per_chunk": config.attention_keys_per_chunk,
+                       "indexer_regions_per_chunk": getattr(config, "indexer_regions_per_chunk", None),
                        "kv_read_mib": _kv_read_bytes(model, context) / 2**20,
                        "cache_mib": sum(t.numel() * t.element_size() for t in model.cache_tensors()) / 2**20,
                        "step_us": median_us(lambda: runner._run(size), settings)}
@@ -209,7 +229,7 @@ def run_model_step(
                     row["peak_mib"] = _peak_bytes(lambda: runner._run(size), device) / 2**20
                 row["us_per_kv_mib"] = row["step_us"] / row["kv_read_mib"]
                 rows.append(row)
-                log(f"  model_step/{name}/{mode}/ctx{context}: {row['step_us']:.0f} us"
+                log(f"  model_step/{name}/{mode}/ctx{context}: first run {row['first_run_s']:.1f} s, {row['step_us']:.0f} us"
                     + (f", peak {row['peak_mib']:.1f} MiB" if "peak_mib" in row else ""))
                 del runner, model
     growth = {}
@@ -227,10 +247,12 @@ def run_model_step(
 def format_model_step(results: dict[str, Any]) -> str:
     lines = [f"whole tiny-model decode step, {results['requests']} requests (peak = transient MiB beyond caches, "
              "weights and buffers)"]
-    header = ["model", "mode", "context", "cache MiB", "KV read MiB", "peak MiB", "step us", "us/MiB"]
+    header = ["model", "mode", "context", "keys/chunk", "cache MiB", "KV read MiB", "peak MiB", "first run s",
+              "step us", "us/MiB"]
     table = [header] + [
-        [r["model"], r["mode"], str(r["context"]), f"{r['cache_mib']:.0f}", f"{r['kv_read_mib']:.1f}",
-         f"{r['peak_mib']:.1f}" if "peak_mib" in r else "-", f"{r['step_us']:.0f}", f"{r['us_per_kv_mib']:.1f}"]
+        [r["model"], r["mode"], str(r["context"]), str(r["attention_keys_per_chunk"]), f"{r['cache_mib']:.0f}",
+         f"{r['kv_read_mib']:.1f}", f"{r['peak_mib']:.1f}" if "peak_mib" in r else "-", f"{r['first_run_s']:.1f}",
+         f"{r['step_us']:.0f}", f"{r['us_per_kv_mib']:.1f}"]
         for r in results["rows"]
     ]
     lines += right_aligned(table)
@@ -247,6 +269,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model-step-only", action="store_true", help="skip the layer-attention case")
     parser.add_argument("--modes", nargs="+", choices=("eager", "compiled", "cudagraph"), default=None,
                         help="model-step modes (default: eager, compiled, and cudagraph on CUDA)")
+    parser.add_argument("--contexts", nargs="+", type=positive_int, default=CONTEXTS, metavar="N",
+                        help=f"model-step contexts in tokens (default: {' '.join(map(str, CONTEXTS))})")
+    parser.add_argument("--attention-keys-per-chunk", type=positive_int, default=None, metavar="N",
+                        help="the models' attention_keys_per_chunk (default: theirs)")
+    parser.add_argument("--indexer-regions-per-chunk", type=positive_int, default=None, metavar="N",
+                        help="Step5's indexer_regions_per_chunk (default: its own)")
     add_device_arguments(parser)
     parser.add_argument("--json", type=Path, default=None, metavar="PATH", help="write the results to PATH")
     args = parser.parse_args(argv)
@@ -262,7 +290,14 @@ def main(argv: list[str] | None = None) -> int:
     if not args.model_step_only:
         report["attention"] = run_attention(settings, log)
         print(format_attention(report["attention"]), flush=True)
-    report["model_step"] = run_model_step(settings, log, modes=tuple(args.modes) if args.modes else None)
+    report["model_step"] = run_model_step(
+        settings,
+        log,
+        contexts=tuple(args.contexts),
+        modes=tuple(args.modes) if args.modes else None,
+        attention_keys_per_chunk=args.attention_keys_per_chunk,
+        indexer_regions_per_chunk=args.indexer_regions_per_chunk,
+    )
     print(format_model_step(report["model_step"]), flush=True)
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))

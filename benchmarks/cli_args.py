@@ -12,7 +12,7 @@ import argparse
 def add_device_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", choices=("cuda", "cpu"), default=None,
                         help="cuda or cpu (default: cuda when available)")
-    parser.add_argument("--threads", type=_positive_int, default=1, metavar="N",
+    parser.add_argument("--threads", type=positive_int, default=1, metavar="N",
                         help="CPU threads (default 1: on a shared machine more threads stall in OpenMP barriers)")
 
 
@@ -52,7 +52,8 @@ def check_results_dir_argument(parser: argparse.ArgumentParser, directory) -> No
         parser.error(str(error))
 
 
-def _positive_int(text: str) -> int:
+def positive_int(text: str) -> int:
+    """An argparse type: an int >= 1."""
     try:
         value = int(text)
     except ValueError:

@@ -284,6 +284,21 @@ def test_attention_case_reports_memory_and_time_per_byte():
     assert "paged 1024_to_2048" in format_attention(results)
 
 
+def test_model_step_case_runs_both_models_with_the_chunk_sizes_given():
+    """The whole-model step case (the real run: 1k to 16k, eager and compiled) at a 256-token context with
+    32-key attention chunks and 2-region indexer chunks: both models, every field, the models built with them."""
+    from benchmarks.bench_attention import format_model_step, run_model_step
+
+    settings = harness.Settings(device=torch.device("cpu"), quick=True, compile_backend="eager", min_run_time=0.01)
+    results = run_model_step(settings, lambda message: None, contexts=(256,), modes=("eager",),
+                             attention_keys_per_chunk=32, indexer_regions_per_chunk=2)
+    rows = results["rows"]
+    assert [(r["model"], r["attention_keys_per_chunk"]) for r in rows] == [("step5", 32), ("inkling", 32)]
+    assert [r["indexer_regions_per_chunk"] for r in rows] == [2, None]
+    assert all(r["first_run_s"] > 0 and r["step_us"] > 0 and r["peak_mib"] > 0 and r["kv_read_mib"] > 0 for r in rows)
+    assert "keys/chunk" in format_model_step(results)
+
+
 def test_layer_steps_time_every_case_in_both_modes():
     """``python -m benchmarks --layers``: every case (a verify step among them) runs repeatedly in each mode.
     It failed from the runner's rollback check on: a repeated 4-token verify step stepped back 4 positions,

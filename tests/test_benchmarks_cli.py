@@ -24,6 +24,8 @@ from benchmarks.bench_attention import main as bench_attention_main
         (bench_attention_main, ["--device", "foo"], "argument --device: invalid choice: 'foo'"),
         (bench_attention_main, ["--threads", "0"], "argument --threads: must be >= 1, got 0"),
         (bench_attention_main, ["--device", "cpu", "--modes", "cudagraph"], "--modes cudagraph needs a CUDA device"),
+        (bench_attention_main, ["--attention-keys-per-chunk", "0"], "argument --attention-keys-per-chunk: must be >= 1"),
+        (bench_attention_main, ["--contexts", "1k"], "argument --contexts: invalid int value: '1k'"),
         # A --json that cannot be written failed with a traceback after the whole run.
         (main, ["--json", "/no/such/dir/out.json"], "--json '/no/such/dir/out.json': not a writable file path"),
         (main, ["static", "--json", "/"], "--json '/': not a writable file path"),
