@@ -208,7 +208,11 @@ def _random_step5_config(rng: random.Random) -> Step5Config:
     """A config drawn from the space the named ones vary one option at a time: 2-3 layers (a CSA layer in
     most), MHA to GQA 2 over 1-4 KV heads, head dims 12-24, 1-8 indexer heads per group, top-k 1-5, windows
     of 4-33, llama3 bands or none, partial rotary 1/3-1, SwiGLU limits from 1 to none, MoE in any layers
-    (2-6 experts, any top-k, renormalised or not), the attention gate or none."""
+    (2-6 experts, any top-k, renormalised or not), the attention gate or none, indexer chunks of 1-128
+    regions. (Attention chunks stay the default: chunks smaller than a window round the softmax weights
+    against each chunk's running max, which the one-pass recompute's per-layer bound of one ulp does not
+    allow for; see docs/models.md, "Chunk sizes". The named smallest-chunks config and transformers'
+    Inkling at random chunk sizes run them.)"""
     layers = rng.randint(2, 3)
     layer_types = tuple(rng.choice((SLIDING, CSA)) for _ in range(layers))
     if CSA not in layer_types and rng.random() < 0.7:
@@ -227,6 +231,7 @@ def _random_step5_config(rng: random.Random) -> Step5Config:
         moe_top_k=rng.randint(1, experts), moe_intermediate_size=rng.choice((16, 32)),
         share_expert_dim=rng.choice((16, 32)), moe_router_scaling_factor=rng.choice((1.0, 3.0)),
         moe_renormalize=rng.random() < 0.5, head_wise_attn_gate=rng.random() < 0.7, layer_types=layer_types,
+        indexer_regions_per_chunk=rng.choice((1, 3, 128)),
     )  # fmt: skip
 
 

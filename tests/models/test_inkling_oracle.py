@@ -410,12 +410,13 @@ CONFIG_VARIANTS = {
 }
 
 
-def _equals_transformers(config: dict, tmp_path) -> None:
-    """A random checkpoint of ``config`` equals transformers' in fp32 layer by layer and in the bf16 steps."""
+def _equals_transformers(config: dict, tmp_path, **settings) -> None:
+    """A random checkpoint of ``config`` equals transformers' in fp32 layer by layer and in the bf16 steps
+    (run with the serving ``settings`` of ``load_inkling``)."""
     checkpoint = save_random_inkling(tmp_path, config)
     hf32, hf16 = load_transformers_inkling(checkpoint, torch.float32), load_transformers_inkling(checkpoint, torch.bfloat16)
     _every_layer_equals_transformers_in_fp32(checkpoint, hf32)
-    _steps_equal_transformers_in_bf16(checkpoint, hf16, hf32)
+    _steps_equal_transformers_in_bf16(checkpoint, hf16, hf32, **settings)
 
 
 @pytest.mark.parametrize("variant", sorted(CONFIG_VARIANTS))
@@ -452,8 +453,11 @@ def test_random_configs_equal_transformers(seed, tmp_path):
     were within the fp32 bound; 3 left out more than a quarter of the steps' rows for routing near ties
     (random weights, 4-8 experts), which the bf16 check refuses as saying too little; one had a layer's
     largest error 2.1x transformers' bf16 one (``BF16_FACTOR`` 2), at one element one bf16 ulp from
-    transformers' bf16 value: over 30 draws the ratio of the rms errors is 0.98 on average, at most 1.2."""
-    _equals_transformers({**HF_CONFIG, **_random_config(random.Random(seed))}, tmp_path)
+    transformers' bf16 value: over 30 draws the ratio of the rms errors is 0.98 on average, at most 1.2.
+    The steps attend in chunks of one block, two, or all (up to 40 keys in blocks of 16)."""
+    rng = random.Random(seed)
+    config = _random_config(rng)
+    _equals_transformers({**HF_CONFIG, **config}, tmp_path, attention_keys_per_chunk=rng.choice((1, 32, 1024)))
 
 
 def test_a_negative_log_scaling_floor_scales_by_one_as_in_transformers(tmp_path):
