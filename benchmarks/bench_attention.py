@@ -29,6 +29,7 @@ chunks compile faster and hold more transient memory).
 
     python -m benchmarks.bench_attention [--model-step-only] [--modes eager compiled cudagraph] [--json PATH]
         [--contexts N ...] [--attention-keys-per-chunk N] [--indexer-regions-per-chunk N]
+        [--also-chunks KEYS REGIONS]
 """
 
 from __future__ import annotations
@@ -275,6 +276,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="the models' attention_keys_per_chunk (default: theirs)")
     parser.add_argument("--indexer-regions-per-chunk", type=positive_int, default=None, metavar="N",
                         help="Step5's indexer_regions_per_chunk (default: its own)")
+    parser.add_argument("--also-chunks", nargs=2, type=positive_int, default=None, metavar=("KEYS", "REGIONS"),
+                        help="then run the model step at the largest context with these chunk sizes too")
     add_device_arguments(parser)
     parser.add_argument("--json", type=Path, default=None, metavar="PATH", help="write the results to PATH")
     args = parser.parse_args(argv)
@@ -299,6 +302,17 @@ def main(argv: list[str] | None = None) -> int:
         indexer_regions_per_chunk=args.indexer_regions_per_chunk,
     )
     print(format_model_step(report["model_step"]), flush=True)
+    if args.also_chunks:
+        keys, regions = args.also_chunks
+        report["model_step_also_chunks"] = run_model_step(
+            settings,
+            log,
+            contexts=(max(args.contexts),),
+            modes=tuple(args.modes) if args.modes else None,
+            attention_keys_per_chunk=keys,
+            indexer_regions_per_chunk=regions,
+        )
+        print(format_model_step(report["model_step_also_chunks"]), flush=True)
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))
     return 0

@@ -299,6 +299,26 @@ def test_model_step_case_runs_both_models_with_the_chunk_sizes_given():
     assert "keys/chunk" in format_model_step(results)
 
 
+def test_the_attention_entry_point_also_runs_the_largest_context_at_other_chunk_sizes(tmp_path, capsys):
+    """``--also-chunks KEYS REGIONS`` (benchmarks/gpu_check.sh passes 8x the defaults): the model step again at
+    the largest context, its rows in the report's ``model_step_also_chunks``."""
+    import json
+
+    from benchmarks.bench_attention import main
+
+    out = tmp_path / "attention.json"
+    argv = ["--model-step-only", "--modes", "eager", "--contexts", "64", "128", "--also-chunks", "32", "2",
+            "--device", "cpu", "--json", str(out)]
+    assert main(argv) == 0
+    report = json.loads(out.read_text())
+    default = [(r["context"], r["attention_keys_per_chunk"]) for r in report["model_step"]["rows"]]
+    assert default == [(64, 1024), (128, 1024)] * 2
+    also = [(r["model"], r["context"], r["attention_keys_per_chunk"], r["indexer_regions_per_chunk"])
+            for r in report["model_step_also_chunks"]["rows"]]
+    assert also == [("step5", 128, 32, 2), ("inkling", 128, 32, None)]
+    assert capsys.readouterr().out.count("keys/chunk") == 2
+
+
 def test_layer_steps_time_every_case_in_both_modes():
     """``python -m benchmarks --layers``: every case (a verify step among them) runs repeatedly in each mode.
     It failed from the runner's rollback check on: a repeated 4-token verify step stepped back 4 positions,

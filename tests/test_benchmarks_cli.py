@@ -26,6 +26,7 @@ from benchmarks.bench_attention import main as bench_attention_main
         (bench_attention_main, ["--device", "cpu", "--modes", "cudagraph"], "--modes cudagraph needs a CUDA device"),
         (bench_attention_main, ["--attention-keys-per-chunk", "0"], "argument --attention-keys-per-chunk: must be >= 1"),
         (bench_attention_main, ["--contexts", "1k"], "argument --contexts: invalid int value: '1k'"),
+        (bench_attention_main, ["--also-chunks", "8192"], "argument --also-chunks: expected 2 arguments"),
         # A --json that cannot be written failed with a traceback after the whole run.
         (main, ["--json", "/no/such/dir/out.json"], "--json '/no/such/dir/out.json': not a writable file path"),
         (main, ["static", "--json", "/"], "--json '/': not a writable file path"),

@@ -1,5 +1,5 @@
 """``benchmarks/gpu_check.sh`` on a machine without a GPU stops at once with one line saying so, instead of
-running its parts' 555 s of limits on CPU fallbacks; its test part collects on a machine without
+running its parts' 565 s of limits on CPU fallbacks; its test part collects on a machine without
 transformers and expecttest; an unknown part stops it before any part runs."""
 
 import os
