@@ -94,7 +94,15 @@ _MODELS = [
 ]
 
 
-@pytest.mark.parametrize("model_cls, config", _MODELS)
+# The smallest chunks: attention folds one block of keys at a time (Inkling's global layer walks two), the
+# indexer scores one region at a time: more unrolled chunks in the same one graph.
+_SMALLEST_CHUNKS = [
+    pytest.param(Step5Model, Step5Config(attention_keys_per_chunk=1, indexer_regions_per_chunk=1), id="step5_smallest_chunks"),
+    pytest.param(InklingModel, InklingConfig(attention_keys_per_chunk=1), id="inkling_one_block_chunks"),
+]
+
+
+@pytest.mark.parametrize("model_cls, config", _MODELS + _SMALLEST_CHUNKS)
 def test_fullgraph_one_graph_no_breaks_equal_to_eager(model_cls, config):
     eager_model, eager_runner = _make(model_cls, config)
     model, runner = _make(model_cls, config)
