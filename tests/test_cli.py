@@ -17,6 +17,10 @@ import pytest
 from stepops.cli import build_parser, main
 from stepops.cli.paths import check_writable_file
 from stepops.layouts import InklingStream
+from stepops.models.step5_config import STEP5_REFERENCE
+
+# An MLA-style main layer: one 576-wide bf16 latent per token (1152 B).
+_MLA = ["--num-kv-heads", "1", "--head-size", "576", "--head-size-v", "0"]
 
 
 def _run(*args, cwd):
@@ -37,14 +41,16 @@ def test_layout_without_a_model_prints_both_defaults(tmp_path):
     assert result.stderr == ""
     out = result.stdout
     assert "Step5 CSA tail ring" in out and "Inkling short-conv state" in out
-    # Step5 default: 64 tokens x 1 head x 576 x 2 B = 73728 B = 72 rows; k = 3 needs 10 rows, and
-    # 16 tokens (18432 B = 18 rows) is the first multiple of 16 that holds them.
-    assert _row(out, "KV page") == "73728 B"
+    # Step5 default, the released model's main layer: 4 KV heads x (192 + 192) x 2 B = 3072 B per token; its
+    # model's block size, 16 tokens, is 49152 B = 48 rows, the first multiple of 16 that holds k = 3's 10.
+    assert _row(out, "main attention layer") == "4 KV head(s) x (192 + 192) x 2 B = 3072 B per token"
+    assert _row(out, "block size") == f"{STEP5_REFERENCE.block_size}" == "16"
+    assert _row(out, "KV page") == "49152 B"
     assert _row(out, "required rows (7 + k)") == "10 of 1024 B"
-    assert _row(out, "ring capacity").startswith("72 rows")
-    assert _row(out, "rows_per_block") == "72 unpadded; block stride / 512 if strided wider"  # 1024 B / 2 B
-    assert _row(out, "ring spec head_size").startswith("576 ")
-    assert _row(out, "smallest block size").startswith("16 (page 18432 B, capacity 18 rows)")
+    assert _row(out, "ring capacity").startswith("48 rows")
+    assert _row(out, "rows_per_block") == "48 unpadded; block stride / 512 if strided wider"  # 1024 B / 2 B
+    assert _row(out, "ring spec head_size").startswith("1536 ")  # 49152 / (16 * 2)
+    assert _row(out, "smallest block size").startswith("16 (page 49152 B, capacity 48 rows)")
     # Inkling default: 8 heads of 128, hidden 4096 -> 512 per head; 2*128 + 2*512 = 1280 -> D = 2048.
     assert _row(out, "KV heads per rank (H)").startswith("8 ")
     assert _row(out, "D (head_size)") == "2048 = next power of two of 2*128 + 2*512 = 1280 (768 padding)"
@@ -59,7 +65,7 @@ def test_layout_without_a_model_prints_both_defaults(tmp_path):
 
 def test_step5_page_too_small_exits_with_the_seed_message(tmp_path):
     # 16 tokens x 1152 B = 18432 B = 18 rows; k = 12 needs 19.
-    result = _run("layout", "step5", "--block-size", "16", "--num-speculative-tokens", "12", cwd=tmp_path)
+    result = _run("layout", "step5", *_MLA, "--block-size", "16", "--num-speculative-tokens", "12", cwd=tmp_path)
     assert result.returncode == 1
     assert result.stdout == ""
     first, second = result.stderr.splitlines()
@@ -94,10 +100,19 @@ def test_step5_with_main_layer_heads(capsys):
     assert _row(out, "smallest block size").startswith("16 (page 65536 B, capacity 64 rows)")
 
 
+def test_step5_value_head_size_defaults_to_the_key_head_size(capsys):
+    """As AttentionSpec's: a layer with separate K and V needs only --head-size (with a default of 0, as
+    before, 8 KV heads of 128 counted the keys alone: half the page). 0 is one latent."""
+    assert main(["layout", "step5", "--num-kv-heads", "8", "--head-size", "128"]) == 0
+    assert _row(capsys.readouterr().out, "main attention layer") == "8 KV head(s) x (128 + 128) x 2 B = 4096 B per token"
+    assert main(["layout", "step5", *_MLA]) == 0
+    assert _row(capsys.readouterr().out, "main attention layer") == "1 KV head(s) x (576 + 0) x 2 B = 1152 B per token"
+
+
 def test_step5_fp8_main_layer_and_smallest_block_size(capsys):
     # fp8: 576 B per token; at 64 tokens 36 rows. k = 3 needs 10 rows = 10240 B -> 17.8 tokens -> 32
     # (16 tokens = 9216 B is not a whole number of rows).
-    assert main(["layout", "step5", "--dtype", "float8_e4m3fn"]) == 0
+    assert main(["layout", "step5", *_MLA, "--block-size", "64", "--dtype", "float8_e4m3fn"]) == 0
     out = capsys.readouterr().out
     assert _row(out, "KV page") == "36864 B"
     assert _row(out, "main attention layer") == "1 KV head(s) x (576 + 0) x 1 B = 576 B per token"
@@ -190,7 +205,7 @@ def test_unknown_or_missing_command_is_a_usage_error(capsys, argv):
 
 def test_step5_block_size_whose_page_is_partial_rows_names_the_cause(capsys):
     # 20 tokens x 1152 B = 23040 B = 22.5 rows: enough rows, but not whole ones; 16 tokens fit.
-    assert main(["layout", "step5", "--block-size", "20"]) == 1
+    assert main(["layout", "step5", *_MLA, "--block-size", "20"]) == 1
     first, second = capsys.readouterr().err.splitlines()
     assert first.endswith("not a whole number of 1024-byte rows (22.5); the page must be a multiple of 1024 "
                           "bytes (choose the block size accordingly)")
@@ -198,8 +213,8 @@ def test_step5_block_size_whose_page_is_partial_rows_names_the_cause(capsys):
 
 
 def test_step5_page_bytes_without_block_size_advises_no_block_size(capsys):
-    """The per-token size of a given page needs the block size it is for: divided by the default 64, it
-    advised block 96 for a page whose real block of 16 needs 32, next to "increase --page-bytes"."""
+    """The per-token size of a given page needs the block size it is for: divided by the default block size
+    (64 then), it advised block 96 for a page whose real block of 16 needs 32, next to "increase --page-bytes"."""
     assert main(["layout", "step5", "--page-bytes", "10240", "--num-speculative-tokens", "4"]) == 1
     assert capsys.readouterr().err == (
         "Step5 CSA tail ring needs 11 rows of 1024 bytes in one 10240-byte KV page; increase --page-bytes.\n"
@@ -211,14 +226,14 @@ def test_step5_page_bytes_without_block_size_advises_no_block_size(capsys):
     assert main(["layout", "step5", "--page-bytes", "65536"]) == 0
     out = capsys.readouterr().out
     assert _row(out, "smallest block size").startswith("n/a (per-token size unknown")
-    # were the default block size 64 and the head_size it gives (512), describing no layer of the user's
+    # were the default block size 16 and the head_size it gives (2048), describing no layer of the user's
     assert _row(out, "block size") == "not given"
     assert _row(out, "ring spec head_size").startswith("n/a")
     assert _row(out, "ring capacity").startswith("64 rows")  # the page alone decides the ring
 
 
 def test_step5_page_bytes_too_small_names_page_bytes_and_prints_no_block_size_line(capsys):
-    # 100 B over 64 tokens is no whole per-token size: there is no block-size line to print.
+    # A page without its block size has no per-token size: there is no block-size line to print.
     assert main(["layout", "step5", "--page-bytes", "100"]) == 1
     captured = capsys.readouterr()
     assert captured.err == "Step5 CSA tail ring needs 10 rows of 1024 bytes in one 100-byte KV page; increase --page-bytes.\n"
@@ -248,8 +263,8 @@ def test_step5_page_bytes_too_small_names_page_bytes_and_prints_no_block_size_li
         # the overflowed page followed.
         (
             ["step5", "--num-kv-heads", str(2**62)],
-            f"page_size_bytes (block_size 64 x num_kv_heads {2**62} x (head_size 576 + head_size_v 0) x 2 B) = "
-            f"{64 * 2**62 * 576 * 2} does not fit in int64",
+            f"page_size_bytes (block_size 16 x num_kv_heads {2**62} x (head_size 192 + head_size_v 192) x 2 B) = "
+            f"{16 * 2**62 * 384 * 2} does not fit in int64",
         ),
         # Derived sizes past int64: exit 0 with a page the owner and the allocator then refused.
         (["inkling", "--head-dim", str(2**62)], f"sconv SWA cache head size D = {2**64} does not fit in int64"),

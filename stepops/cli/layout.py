@@ -1,9 +1,9 @@
 """``python -m stepops layout [step5|inkling] ...``: print a cache page layout; size ``--block-size``.
 
-Without a model, prints both layouts with their defaults. The defaults are illustrative model numbers
-(an MLA-style Step5 main layer, a Llama-8B-shaped Inkling layer), not published configurations: pass
-your model's numbers. A flag below its minimum is one line on stderr, exit 1. When the layout does not
-fit, prints the layout's error text to stderr (the seed's, exactly, as the first line; with
+Without a model, prints both layouts with their defaults: the released Step5's main attention layer
+(:data:`~stepops.models.step5_config.STEP5_REFERENCE`, the model :mod:`stepops.models.step5` runs) and an
+illustrative, Llama-8B-shaped Inkling layer (pass your model's numbers). A flag below its minimum is one
+line on stderr, exit 1. When the layout does not fit, prints the layout's error text to stderr (the seed's, exactly, as the first line; with
 ``--page-bytes`` its advice names that flag instead of the block size), then, for the CSA ring with a known
 per-token size (from the head numbers, or ``--page-bytes`` over a ``--block-size`` given with it), the
 smallest block size that fits, and exits 1.
@@ -25,10 +25,10 @@ from stepops.layouts import (
     InklingStream,
     smallest_block_size,
 )
+from stepops.models.step5_config import STEP5_REFERENCE
 from stepops.specs import AttentionSpec, check_int
 
-_STEP5_BLOCK_SIZE = 64
-_ILLUSTRATIVE = "Defaults are illustrative numbers, not a published model configuration."
+_ILLUSTRATIVE = "Inkling's defaults are illustrative numbers, not a published model configuration."
 _MAIN_DTYPES = ("bfloat16", "float16", "float8_e4m3fn")
 # The layout's errors advise on the block size (the seed's wording). With --page-bytes the page no longer
 # follows from --block-size, so the advice names --page-bytes instead.
@@ -43,7 +43,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "layout",
         help="print the Step5 / Inkling cache page layouts and the block size that fits",
         description="Print a cache page layout for given model numbers. Without a model, prints both "
-        "with their defaults. " + _ILLUSTRATIVE,
+        "with their defaults: the released Step5's main attention layer and an Inkling layer. " + _ILLUSTRATIVE,
     )
     parser.set_defaults(run=_run_both)
     models = parser.add_subparsers(dest="model", metavar="MODEL")
@@ -53,14 +53,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="the Step5 CSA tail ring inside the main attention layer's KV page",
         description="The Step5 CSA tail ring: 7 + k rows of 1024 bytes in one KV page of the main "
         "attention layer. Give the main layer's numbers (per rank) or its --page-bytes. "
-        "Defaults: an MLA-style main layer (one 576-wide latent per token, bf16). " + _ILLUSTRATIVE,
+        f"Defaults: the released Step5's main layer ({STEP5_REFERENCE.num_kv_heads} KV heads of "
+        f"{STEP5_REFERENCE.head_dim} + {STEP5_REFERENCE.head_dim}, bf16, one rank) at the block size its model "
+        "uses. An MLA-style layer: --num-kv-heads 1 --head-size 576 --head-size-v 0.",
     )
-    step5.add_argument("--block-size", type=int, default=None, help=f"main layer's block size (default {_STEP5_BLOCK_SIZE})")
-    step5.add_argument("--num-kv-heads", type=int, default=1, help="main layer's KV heads per rank (default 1)")
-    step5.add_argument("--head-size", type=int, default=576, help="main layer's key head size (default 576)")
-    step5.add_argument(
-        "--head-size-v", type=int, default=0, help="main layer's value head size; 0 for one latent (default 0)"
-    )
+    step5.add_argument("--block-size", type=int, default=None,
+                       help=f"main layer's block size (default {STEP5_REFERENCE.block_size})")
+    step5.add_argument("--num-kv-heads", type=int, default=STEP5_REFERENCE.num_kv_heads,
+                       help="main layer's KV heads per rank (default %(default)s)")
+    step5.add_argument("--head-size", type=int, default=STEP5_REFERENCE.head_dim,
+                       help="main layer's key head size (default %(default)s)")
+    step5.add_argument("--head-size-v", type=int, default=None,
+                       help="main layer's value head size; 0 for one latent (default: --head-size)")
     step5.add_argument(
         "--dtype", choices=_MAIN_DTYPES, default="bfloat16", help="main layer's KV cache dtype (default bfloat16)"
     )
@@ -68,7 +72,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--page-bytes", type=int, default=None, help="main layer's page size in bytes; overrides the head numbers and --dtype"
     )
     step5.add_argument(
-        "--num-speculative-tokens", type=int, default=3, help="speculative tokens k per step (default 3)"
+        "--num-speculative-tokens", type=int, default=STEP5_REFERENCE.num_speculative_tokens,
+        help="speculative tokens k per step (default %(default)s)"
     )
     step5.set_defaults(run=_run_step5)
 
@@ -128,7 +133,7 @@ def _run_step5(args: argparse.Namespace) -> int:
     if bad:
         print(bad, file=sys.stderr)
         return 1
-    block_size = _STEP5_BLOCK_SIZE if args.block_size is None else args.block_size
+    block_size = STEP5_REFERENCE.block_size if args.block_size is None else args.block_size
     try:
         if args.page_bytes is None:
             dtype = getattr(torch, args.dtype)
@@ -136,14 +141,14 @@ def _run_step5(args: argparse.Namespace) -> int:
                 block_size=block_size,
                 num_kv_heads=args.num_kv_heads,
                 head_size=args.head_size,
-                head_size_v=args.head_size_v,
+                head_size_v=args.head_size_v,  # None: the spec's default, head_size
                 dtype=dtype,
             )
             page_bytes = spec.page_size_bytes
             per_token = page_bytes // block_size
             dtype_bytes = dtype.itemsize
             main = (
-                f"{args.num_kv_heads} KV head(s) x ({args.head_size} + {args.head_size_v}) x {dtype_bytes} B"
+                f"{args.num_kv_heads} KV head(s) x ({spec.head_size} + {spec.head_size_v}) x {dtype_bytes} B"
                 f" = {per_token} B per token"
             )
         else:
