@@ -23,9 +23,10 @@ graph. ``peak_*_mib``: as above, beyond the caches, weights and step buffers (on
 minus what was allocated before). ``kv_read_mib``: what the step must read: each global layer the whole
 context, each sliding layer its window, each CSA layer its ``index_top_k + 1`` regions and every earlier
 region's 256-byte e4m3 summary (the indexer scores them all). ``first_run_s``: the first run of the step
-(in compiled mode, Inductor's compile, with its caches off). ``--attention-keys-per-chunk`` and ``--indexer-regions-per-chunk``
-set the models' chunk sizes (the compiled step unrolls ``context / size`` chunks per layer: fewer, larger
-chunks compile faster and hold more transient memory).
+(in compiled mode, Inductor's compile, with its caches off). ``--attention-keys-per-chunk`` and
+``--indexer-regions-per-chunk`` set the models' chunk sizes (the compiled step unrolls ``context / size``
+chunks per layer: fewer, larger chunks compile faster and hold more transient memory); ``--also-chunks``
+runs the largest context again at other sizes.
 
     python -m benchmarks.bench_attention [--model-step-only] [--modes eager compiled cudagraph] [--json PATH]
         [--contexts N ...] [--attention-keys-per-chunk N] [--indexer-regions-per-chunk N]

@@ -6,13 +6,14 @@
 #
 # Sized for a lent machine (15 minutes of device time in all, its start included; one command at most
 # 10 minutes). Measured on an H200 (torch 2.11, Triton 3.6, 2026-12-04): gpu_tests ~250 s, benchmarks
-# ~100 s (Triton and Inductor compiles of every case), attention 19 s (before its run at larger chunks: two
-# more CUDA-graph captures), demo ~65 s (two Inductor compiles of ~25 s). The limits, 565 s in all, leave a
+# ~100 s (Triton and Inductor compiles of every case), attention 19 s (before its 16k steps at larger chunks,
+# eager and replayed), demo ~65 s (two Inductor compiles of ~25 s). The limits, 565 s in all, leave a
 # margin over those and fit one command: a full run fits with the machine's start (~30 s), then a rerun of a
-# part that failed (gpu_check.sh OUT_DIR demo) while the machine is still warm. OUT_DIR gets at most 8 files (summary.txt, a log per part, the JSON of three parts), which
-# is what comes back from such a machine. A part that runs out its limit is interrupted like Ctrl-C
-# (SIGINT), so pytest still prints its failures and counts, and summary.txt is rewritten after every part:
-# a run stopped from outside still leaves what it measured.
+# part that failed (gpu_check.sh OUT_DIR demo) while the machine is still warm. OUT_DIR gets at most 8 files
+# (summary.txt, a log per part, the JSON of three parts), which is what comes back from such a machine. A
+# part that runs out its limit is interrupted like Ctrl-C (SIGINT), so pytest still prints its failures and
+# counts, and summary.txt is rewritten after every part: a run stopped from outside still leaves what it
+# measured.
 set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
