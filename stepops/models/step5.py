@@ -219,10 +219,16 @@ class StackedExpertWeight(nn.Module):
     with ``step5_weights.load_step5_state_dict`` (a fresh model has no ``weight_scale_inv`` for
     ``load_state_dict`` to fill). Loading may replace the Parameter (another dtype or device), so load before
     compiling, capturing or handing the parameters to anything.
+
+    ``first_expert``: the model's id of expert 0 here (an expert-parallel rank holds experts
+    ``[first_expert, first_expert + num_experts)`` of the checkpoint's; 0 unsharded).
     """
 
-    def __init__(self, num_experts: int, out_features: int, in_features: int, dtype: torch.dtype) -> None:
+    def __init__(
+        self, num_experts: int, out_features: int, in_features: int, dtype: torch.dtype, first_expert: int = 0
+    ) -> None:
         super().__init__()
+        self.first_expert = first_expert
         self.weight = nn.Parameter(torch.empty(num_experts, out_features, in_features, dtype=dtype))
         nn.init.uniform_(self.weight, -(in_features**-0.5), in_features**-0.5)
         self.built_dtype = dtype
@@ -331,12 +337,13 @@ class Step5MoE(nn.Module):
         self.renormalize = c.moe_renormalize
         self.limit = limit
         self.ep = ep
-        num_experts = c.moe_num_experts // ep.size  # this rank's, from expert ep.rank * num_experts on
+        num_experts = c.moe_num_experts // ep.size  # this rank's
+        first = ep.rank * num_experts
         self.gate = nn.Linear(c.hidden_size, c.moe_num_experts, bias=False, dtype=dtype)
         self.router_bias = nn.Parameter(torch.zeros(c.moe_num_experts, dtype=torch.float32))
-        self.gate_proj = StackedExpertWeight(num_experts, c.moe_intermediate_size, c.hidden_size, dtype)
-        self.up_proj = StackedExpertWeight(num_experts, c.moe_intermediate_size, c.hidden_size, dtype)
-        self.down_proj = StackedExpertWeight(num_experts, c.hidden_size, c.moe_intermediate_size, dtype)
+        self.gate_proj = StackedExpertWeight(num_experts, c.moe_intermediate_size, c.hidden_size, dtype, first)
+        self.up_proj = StackedExpertWeight(num_experts, c.moe_intermediate_size, c.hidden_size, dtype, first)
+        self.down_proj = StackedExpertWeight(num_experts, c.hidden_size, c.moe_intermediate_size, dtype, first)
 
     @property
     def small_step_max_tokens(self) -> int:
@@ -358,7 +365,7 @@ class Step5MoE(nn.Module):
             # This rank's index of each chosen expert; another rank's is clamped to one of ours, computed, and
             # its output replaced by zero before the all-reduce.
             num_experts = self.gate_proj.weight.shape[0]
-            ids = ids - self.ep.rank * num_experts
+            ids = ids - self.gate_proj.first_expert
             ours = (ids >= 0) & (ids < num_experts)
             ids = ids.clamp(0, num_experts - 1)
         if x.shape[0] <= self.small_step_max_tokens:

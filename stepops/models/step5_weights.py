@@ -44,7 +44,6 @@ from stepops.models.step5_config import (
     Llama3RopeScaling,
     Step5Config,
 )
-from stepops.models.tensor_parallel import TensorParallel
 from stepops.specs import check_int
 
 SCALE_SUFFIX = ".weight_scale_inv"
@@ -110,7 +109,7 @@ def load_step5_state_dict(
             continue
         scaled = name[: -len(SCALE_SUFFIX)] + ".weight" if name.endswith(SCALE_SUFFIX) else None
         if model.ep.size > 1 and (scaled or name) in experts:  # an expert weight or its scales: keep ours
-            tensor = _rank_experts(key, tensor, model.config.moe_num_experts, model.ep)
+            tensor = _rank_experts(key, tensor, model.config.moe_num_experts, experts[scaled or name])
         if scaled:
             scales[scaled] = tensor
         elif not _unused(model, name, tensor, key_of(name)):
@@ -151,15 +150,15 @@ def load_step5_state_dict(
             layer.self_attn.compute_rope_frequencies(model.config)
 
 
-def _rank_experts(key: str, tensor: torch.Tensor, num_experts: int, ep: TensorParallel) -> torch.Tensor:
-    """Rank ``ep.rank``'s experts of a whole checkpoint's routed expert tensor ``[num_experts, ...]``: a view."""
+def _rank_experts(key: str, tensor: torch.Tensor, num_experts: int, held: StackedExpertWeight) -> torch.Tensor:
+    """The experts ``held`` holds of a whole checkpoint's routed expert tensor ``[num_experts, ...]``: a view."""
+    per_rank = held.weight.shape[0]
     if tensor.dim() == 0 or tensor.shape[0] != num_experts:
         raise ValueError(
             f"{key}: an expert-parallel rank takes the whole checkpoint, {num_experts} experts along dim 0 "
-            f"(it keeps {num_experts // ep.size}), got shape {tuple(tensor.shape)}"
+            f"(it keeps {per_rank}), got shape {tuple(tensor.shape)}"
         )
-    per_rank = num_experts // ep.size
-    return tensor.narrow(0, ep.rank * per_rank, per_rank)
+    return tensor.narrow(0, held.first_expert, per_rank)
 
 
 def _unused(model: Step5Model, name: str, tensor: torch.Tensor, key: str) -> bool:
