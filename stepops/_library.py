@@ -127,20 +127,41 @@ def written_arguments(op: torch._ops.OpOverload) -> list[int]:
     return [i for i, a in enumerate(op._schema.arguments) if a.alias_info is not None and a.alias_info.is_write]
 
 
+def _refuse_written_requiring_grad(op: torch._ops.OpOverload, written: list[tuple[int, torch.Tensor]]) -> None:
+    """``ValueError`` naming the first tensor ``op`` writes that requires grad, with grad mode on.
+
+    Autograd records none of the op's writes: a backward through such a cache would return the gradient of
+    what it held before the op (silently wrong), as PyTorch refuses an in-place op on a leaf that requires
+    grad. Under ``torch.no_grad()`` / ``torch.inference_mode()`` the write is allowed, as PyTorch's is.
+    """
+    for position, tensor in written:
+        if tensor.requires_grad:
+            name = op._schema.arguments[position].name
+            raise ValueError(
+                f"{op.name()} writes {name}, which requires grad: autograd cannot record that write, so "
+                f"gradients through {name} would be wrong. Keep caches out of autograd (requires_grad=False, "
+                "or .detach()), or run the step under torch.inference_mode() or torch.no_grad()."
+            )
+
+
 def _autograd_kernel(op: torch._ops.OpOverload) -> Callable[..., Any]:
-    """The ``Autograd`` kernel of ``op``: bump the mutated arguments' versions, then run the backend kernel
-    below autograd. Without an ``Autograd`` kernel the dispatcher's fallback would run the PyTorch kernel
-    with autograd on, so an output would silently carry the gradient of the CPU kernel's internals (and
-    none on CUDA). Under ``torch.inference_mode()`` (how the models run) the dispatcher skips this kernel.
+    """The ``Autograd`` kernel of ``op``: refuse a written tensor that requires grad (with grad mode on),
+    bump the mutated arguments' versions, then run the backend kernel below autograd. Without an
+    ``Autograd`` kernel the dispatcher's fallback would run the PyTorch kernel with autograd on, so an
+    output would silently carry the gradient of the CPU kernel's internals (and none on CUDA). Under
+    ``torch.inference_mode()`` (how the models run) the dispatcher skips this kernel.
     """
     mutated = written_arguments(op)
     below = torch._C._after_autograd_keyset
     increment_version = torch.autograd.graph.increment_version
 
     def autograd_kernel(keyset, *args, **kwargs):  # kwargs: keyword-only arguments (no op has any yet)
+        written = [(i, args[i]) for i in mutated if i < len(args) and args[i] is not None]  # optional: None
+        if torch.is_grad_enabled():
+            _refuse_written_requiring_grad(op, written)
         # Custom_op's ADInplaceOrView kernel bumps these too: autograd then refuses a backward that would
-        # read a tensor saved before the op overwrote it. (Optional arguments may be None.)
-        increment_version([args[i] for i in mutated if i < len(args) and args[i] is not None])
+        # read a tensor saved before the op overwrote it.
+        increment_version([tensor for _, tensor in written])
         if torch.is_grad_enabled() and any(
             isinstance(a, torch.Tensor) and a.requires_grad for a in (*args, *kwargs.values())
         ):

@@ -3,8 +3,9 @@
 The ops have no derivative. A call whose inputs require grad computes what it computes without grad, and a
 backward through its output raises a clear error instead of returning the gradient of the CPU kernel's
 internals; the arguments the schema marks written get their version bumped, so autograd refuses a backward
-that would read a tensor the op overwrote. ``opcheck``'s ``test_autograd_registration`` (tests/test_opcheck.py)
-returns early when no input requires grad, which is every sample: here it runs with inputs that do.
+that would read a tensor the op overwrote; with grad mode on, a written tensor that requires grad is refused.
+``opcheck``'s ``test_autograd_registration`` (tests/test_opcheck.py) returns early when no input requires
+grad, which is every sample: here it runs with inputs that do.
 """
 
 import pytest
@@ -72,3 +73,44 @@ def test_register_op_takes_the_given_cpu_kernel_tags_pt2_compliant_and_bumps_wri
     op(torch.ones(3), cache)
     assert torch.equal(cache, torch.zeros(3))
     assert cache._version > version
+
+
+def _written_float(op, args):
+    """Positions of the floating-point tensors ``op`` writes (the ones that can require grad)."""
+    return [
+        i for i in written_arguments(op)
+        if i < len(args) and isinstance(args[i], torch.Tensor) and args[i].is_floating_point()
+    ]  # fmt: skip
+
+
+def _same_bits(a, b):
+    return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
+_WRITING_SAMPLES = [s for s in _SAMPLES if _written_float(s.op, s.args)]
+
+
+@pytest.mark.parametrize("leaf", [True, False], ids=["leaf", "non-leaf"])
+@pytest.mark.parametrize("sample", _WRITING_SAMPLES, ids=[s.name for s in _WRITING_SAMPLES])
+def test_a_written_tensor_that_requires_grad_is_refused_with_grad_on(sample, leaf):
+    """Autograd records none of an op's writes, so a cache that requires grad would give the gradient of what
+    it held before (a non-leaf silently; PyTorch refuses an in-place op on a leaf). With grad on, the op
+    names the tensor and writes nothing; under no_grad / inference_mode it writes as for any cache."""
+    op, args, kwargs = sample
+    want = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+    op(*want, **kwargs)
+    for i in _written_float(op, args):
+        base = args[i].detach().clone().requires_grad_()
+        with_grad = list(args)
+        with_grad[i] = base if leaf else base.clone()
+        before = [a.detach().clone() if isinstance(a, torch.Tensor) else a for a in with_grad]
+        with pytest.raises(ValueError, match=f"{op.name()} writes {op._schema.arguments[i].name}, which requires grad"):
+            op(*with_grad, **kwargs)
+        for got, was in zip(with_grad, before):
+            if isinstance(got, torch.Tensor):
+                assert _same_bits(got.detach(), was)
+        for mode in (torch.no_grad, torch.inference_mode):
+            written = [a.clone() if isinstance(a, torch.Tensor) else a for a in with_grad]
+            with mode():
+                op(*written, **kwargs)
+            assert _same_bits(written[i].detach(), want[i]), mode

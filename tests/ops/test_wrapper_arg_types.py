@@ -108,6 +108,38 @@ def test_wrong_python_type_is_a_type_error_naming_the_argument(op, make_args, na
     assert all(torch.equal(a, b) for a, b in zip(caches, [t for t in args.values() if isinstance(t, torch.Tensor)]))
 
 
+_WRITTEN_CASES = [
+    (paged_kv_write, _paged_kv_write_args, "key_cache"), (paged_kv_write, _paged_kv_write_args, "value_cache"),
+    (sconv, _sconv_args, "cache"), (csa_ring_update, _csa_args, "ring"), (csa_ring_update, _csa_args, "summary_cache"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("op, make_args, name", _WRITTEN_CASES, ids=[f"{c[0].__name__}-{c[2]}" for c in _WRITTEN_CASES])
+def test_a_negative_view_of_a_written_tensor_is_a_value_error_naming_it(op, make_args, name):
+    """The dispatcher's fallback for the negative bit fails with "Expected Tensor but got None" on a written
+    argument; the wrapper names it and writes nothing (the tensor under the view is unchanged)."""
+    args = make_args()
+    base = args[name]
+    before = base.clone()
+    args[name] = torch._neg_view(base)
+    with pytest.raises(ValueError, match=f"{op.__name__}: {name} is a negative view"):
+        op(**args)
+    assert torch.equal(base, before)
+
+
+def test_a_conjugate_cache_is_refused_and_a_conjugate_input_is_written_resolved():
+    """paged_kv_write copies any dtype of at most 8 bytes, complex64 too: a conjugate view of the cache is
+    refused by name; a conjugate view of the key is resolved by the dispatcher, so its conjugate is stored."""
+    args = {name: t.to(torch.complex64) if t.is_floating_point() else t for name, t in _paged_kv_write_args().items()}
+    args["key"] = torch.complex(args["key"].real, torch.randn(args["key"].shape))
+    cache = args["key_cache"]
+    with pytest.raises(ValueError, match="paged_kv_write: key_cache is a conjugate view"):
+        paged_kv_write(**{**args, "key_cache": cache.conj()})
+    assert not cache.any()
+    paged_kv_write(**{**args, "key": args["key"].conj()})
+    assert torch.equal(cache[1, 1:3], args["key"][:2].conj().resolve_conj())
+
+
 @pytest.mark.parametrize("op, make_args, name", [(sconv, _sconv_args, "stream_offset"), (csa_ring_update, _csa_args, "capacity")])
 @pytest.mark.parametrize("bad", [2**63, -(2**63) - 1])
 def test_an_int_outside_int64_is_a_value_error_naming_the_argument(op, make_args, name, bad):
