@@ -160,6 +160,47 @@ def _cache_view(
     return buffer.view(spec.dtype).as_strided(shape, (page_bytes // itemsize, *inner))
 
 
+def _cache_owners(static_forward_context: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The context's layers that own a cache (those with ``get_kv_cache_spec()``) and their backends, by
+    layer name; ``ValueError``/``TypeError`` for a context without one, an owner without ``get_attn_backend()``
+    or ``bind_kv_cache()``, or a backend without ``get_kv_cache_shape()``."""
+    if not isinstance(static_forward_context, Mapping):
+        raise TypeError(
+            f"static_forward_context must be a mapping of layer name to layer, got {type(static_forward_context).__name__}"
+        )
+    owners = {
+        name: layer
+        for name, layer in static_forward_context.items()
+        if callable(getattr(layer, "get_kv_cache_spec", None))
+    }
+    if not owners:
+        raise ValueError("the forward context has no layer with get_kv_cache_spec()")
+    for name, owner in owners.items():
+        for method in ("get_attn_backend", "bind_kv_cache"):
+            if not callable(getattr(owner, method, None)):
+                raise TypeError(f"layer {name} has get_kv_cache_spec() but no {method}()")
+    backends = {name: owner.get_attn_backend() for name, owner in owners.items()}
+    for name, backend in backends.items():
+        if not callable(getattr(backend, "get_kv_cache_shape", None)):
+            raise TypeError(f"layer {name}: its backend {_backend_name(backend)} has no get_kv_cache_shape()")
+    return owners, backends
+
+
+def _unified_pages(owners: Mapping[str, Any], backends: Mapping[str, Any]) -> UnifiedPages:
+    return unify_page_sizes(
+        {name: owner.get_kv_cache_spec() for name, owner in owners.items()},
+        # Without the declaration a backend's blocks are only ever scaled, never padded.
+        strided=[name for name, b in backends.items() if _optional(b, "indexes_kv_by_block_stride", False)],
+    )
+
+
+def plan_kv_pages(static_forward_context: Mapping[str, Any]) -> UnifiedPages:
+    """The pages :func:`allocate_kv_caches` gives the context's cache layers, allocating and binding nothing:
+    each layer's spec after unification and the common block stride ``page_bytes`` (every cache layer then
+    takes ``num_blocks * page_bytes`` bytes). Build the model on the meta device to plan a deployment."""
+    return _unified_pages(*_cache_owners(static_forward_context))
+
+
 def allocate_kv_caches(
     static_forward_context: Mapping[str, Any], num_blocks: int, *, device: torch.device | str | None = None
 ) -> KVCaches:
@@ -176,31 +217,9 @@ def allocate_kv_caches(
     is bound: a backend shape that does not fit its page, or a view an owner refuses, binds nothing and
     leaves every layer with the cache it had. Layers are then bound in the context's order.
     """
-    if not isinstance(static_forward_context, Mapping):
-        raise TypeError(
-            f"static_forward_context must be a mapping of layer name to layer, got {type(static_forward_context).__name__}"
-        )
     check_int("num_blocks", num_blocks, 1)
-    owners = {
-        name: layer
-        for name, layer in static_forward_context.items()
-        if callable(getattr(layer, "get_kv_cache_spec", None))
-    }
-    if not owners:
-        raise ValueError("the forward context has no layer with get_kv_cache_spec()")
-    for name, owner in owners.items():
-        for method in ("get_attn_backend", "bind_kv_cache"):
-            if not callable(getattr(owner, method, None)):
-                raise TypeError(f"layer {name} has get_kv_cache_spec() but no {method}()")
-    backends = {name: owner.get_attn_backend() for name, owner in owners.items()}
-    for name, backend in backends.items():
-        if not callable(getattr(backend, "get_kv_cache_shape", None)):
-            raise TypeError(f"layer {name}: its backend {_backend_name(backend)} has no get_kv_cache_shape()")
-    unified = unify_page_sizes(
-        {name: owner.get_kv_cache_spec() for name, owner in owners.items()},
-        # Without the declaration a backend's blocks are only ever scaled, never padded.
-        strided=[name for name, b in backends.items() if _optional(b, "indexes_kv_by_block_stride", False)],
-    )
+    owners, backends = _cache_owners(static_forward_context)
+    unified = _unified_pages(owners, backends)
     page_bytes = unified.page_bytes
     check_int(f"num_blocks * page bytes ({num_blocks} x {page_bytes})", num_blocks * page_bytes, 1)
     layers: dict[str, LayerKVCache] = {}

@@ -9,7 +9,7 @@ PyTorch kernel (through the op) and the Triton launcher (interpreter on CPU) run
 import pytest
 import torch
 
-from stepops.allocator import KVCaches, allocate_kv_caches, unify_page_sizes
+from stepops.allocator import KVCaches, allocate_kv_caches, plan_kv_pages, unify_page_sizes
 from stepops.layouts import InklingStream
 from stepops.ops.csa_ring_update import csa_ring_update
 from stepops.ops.csa_ring_update.triton_kernel import csa_ring_update_triton
@@ -349,6 +349,33 @@ def test_a_view_an_owner_refuses_leaves_every_layer_with_the_cache_it_had():
     for name, cache in bound.items():
         assert context[name].kv_cache is cache
     assert context["layers.1.attn"].kv_cache.numel() == 0
+
+
+@pytest.mark.parametrize("model", ["inkling", "step5"])
+def test_the_plan_is_what_the_allocator_gives_and_allocates_nothing(model):
+    """``plan_kv_pages`` of a model built on the meta device (how ``python -m stepops plan`` sizes a
+    checkpoint) gives the page and every layer's spec that ``allocate_caches`` binds on CPU, and the model
+    keeps its unbound placeholders."""
+    from stepops.models.inkling import InklingConfig, InklingModel
+    from stepops.models.step5 import Step5Model
+
+    build = (lambda: InklingModel(InklingConfig())) if model == "inkling" else Step5Model
+    with torch.device("meta"):
+        planned_model = build()
+    placeholders = {name: owner.kv_cache for name, owner in planned_model.static_forward_context.items()}
+    plan = plan_kv_pages(planned_model.static_forward_context)
+    allocated = build()
+    caches = allocated.allocate_caches(2, device="cpu") if model == "inkling" else allocated.allocate_caches(2, 1, "cpu")
+    assert plan.page_bytes == caches.page_bytes
+    assert plan.specs == caches.specs
+    assert all(owner.kv_cache is placeholders[name] for name, owner in planned_model.static_forward_context.items())
+
+
+def test_plan_refuses_what_the_allocator_refuses():
+    with pytest.raises(TypeError, match="static_forward_context must be a mapping of layer name to layer, got list"):
+        plan_kv_pages([1, 2])
+    with pytest.raises(ValueError, match="no layer with get_kv_cache_spec"):
+        plan_kv_pages({"mlp": object()})
 
 
 def test_allocator_refuses_what_is_not_a_context_and_sizes_past_int64():
