@@ -1,4 +1,4 @@
-"""The ``python -m stepops`` command line: one module per subcommand (``layout`` here, ``demo`` in
+"""The ``python -m stepops`` command line: one module per subcommand (``layout`` and ``plan`` here, ``demo`` in
 :mod:`stepops.demo`, the one demo module).
 
 Each subcommand module has ``register(subparsers)``, which adds its parser and sets ``run`` (a function
@@ -12,9 +12,9 @@ import argparse
 from collections.abc import Sequence
 
 from stepops import demo
-from stepops.cli import layout
+from stepops.cli import layout, plan
 
-_COMMANDS = (layout, demo)
+_COMMANDS = (layout, plan, demo)
 
 
 def build_parser() -> argparse.ArgumentParser:

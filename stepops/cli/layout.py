@@ -25,6 +25,7 @@ from stepops.layouts import (
     InklingStream,
     smallest_block_size,
 )
+from stepops.cli.table import print_table
 from stepops.models.step5_config import STEP5_REFERENCE
 from stepops.specs import AttentionSpec, check_int
 
@@ -95,13 +96,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     inkling.set_defaults(run=_run_inkling)
 
     parser.set_defaults(_defaults={"step5": step5.parse_args([]), "inkling": inkling.parse_args([])})
-
-
-def _print_table(title: str, rows: list[tuple[str, str]]) -> None:
-    width = max(len(label) for label, _ in rows)
-    print(title)
-    for label, value in rows:
-        print(f"  {label:<{width}}  {value}")
 
 
 def _run_both(args: argparse.Namespace) -> int:
@@ -181,7 +175,7 @@ def _run_step5(args: argparse.Namespace) -> int:
     block_size_row, head_size_row = f"{layout.block_size}", f"{layout.head_size} bf16 per token (1 KV head)"
     if args.page_bytes is not None and args.block_size is None:
         block_size_row, head_size_row = "not given", "n/a (page bytes / (2 x block size): give --block-size)"
-    _print_table(
+    print_table(
         "Step5 CSA tail ring",
         [
             ("main attention layer", main),
@@ -248,5 +242,5 @@ def _run_inkling(args: argparse.Namespace) -> int:
         ("cache shape (HND)", f"[num_blocks, {heads}, {block_size}, {head_size}] bfloat16"),
         ("page bytes", f"{page_bytes} per block"),
     ]
-    _print_table("Inkling short-conv state", rows)
+    print_table("Inkling short-conv state", rows)
     return 0

@@ -385,9 +385,10 @@ def reference_config(types: list[str], **overrides) -> dict:
     }  # fmt: skip
 
 
-def test_the_released_config_reads_as_step5_reference():
+def released_config() -> dict:
+    """The released Step5's config.json object as the reference's keys hold it (also test_plan's)."""
     types = ["full_attention" if i % 4 == 3 else "sliding_attention" for i in range(92)] + ["full_attention"]
-    release = reference_config(
+    return reference_config(
         types, hidden_size=4096, vocab_size=128896, intermediate_size=13824, num_attention_heads=64, num_attention_groups=4,
         head_dim=192, rms_norm_eps=1e-5, sliding_window=512, moe_layer_list=list(range(3, 91)), moe_num_experts=352,
         moe_top_k=8, moe_intermediate_size=1536, share_expert_dim=1536, swiglu_limits=[7.0] * 93,
@@ -397,6 +398,10 @@ def test_the_released_config_reads_as_step5_reference():
         sparse_config={"proxy_dim": 256, "sparse_indexer_rope_dim": 32, "sparse_indexer_num_heads": 16,
                        "num_provider_groups": 4, "topk": 512, "region_block_size": 8},
     )  # fmt: skip
+
+
+def test_the_released_config_reads_as_step5_reference():
+    release = released_config()
     # A dense layer has no shared expert: its swiglu_limits_shared entry is unread (inf).
     shared = tuple(7.0 if i in range(3, 91) else math.inf for i in range(92))
     per_layer_7 = dict(swiglu_limit=(7.0,) * 92, swiglu_limit_shared=shared)
