@@ -17,8 +17,8 @@ from stepops.specs import is_int
 def read_json_object(path: Path) -> dict[str, Any]:
     """The JSON object in ``path``; ``ValueError`` naming the file for invalid JSON or another value."""
     try:
-        value = json.loads(path.read_text())
-    except json.JSONDecodeError as error:
+        value = json.loads(path.read_bytes())  # UTF-8, -16 or -32, as the JSON standard allows
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise ValueError(f"{path}: not valid JSON ({error})") from None
     if not isinstance(value, dict):
         raise ValueError(f"{path}: expected a JSON object, got {type(value).__name__}")

@@ -86,6 +86,7 @@ def test_inkling_plan(tmp_path, capsys):
         (["inkling", "{dir}/llama.json"], "{dir}/llama.json: expected an Inkling checkpoint"),
         (["step5", "{dir}/llama.json"], "{dir}/llama.json: the Step5 config has no 'num_hidden_layers'"),
         (["inkling", "{dir}/broken.json"], "{dir}/broken.json: not valid JSON"),
+        (["step5", "{dir}/latin1.json"], "{dir}/latin1.json: not valid JSON ('utf-8' codec can't decode byte 0xe9"),
         (["step5", "{dir}/llama.json", "--num-speculative-tokens", "-1"], "--num-speculative-tokens must be >= 0"),
         (["step5", "{dir}/llama.json", "--memory-gib", "0"], "--memory-gib must be a finite number > 0, got 0.0"),
         (["step5", "{dir}/llama.json", "--memory-gib", "inf"], "--memory-gib must be a finite number > 0, got inf"),
@@ -95,6 +96,7 @@ def test_inkling_plan(tmp_path, capsys):
 def test_plan_errors_are_one_line(tmp_path, capsys, args, message):
     (tmp_path / "llama.json").write_text(json.dumps({"model_type": "llama"}))
     (tmp_path / "broken.json").write_text("{")
+    (tmp_path / "latin1.json").write_bytes('{"name": "\u00e9"}'.encode("latin-1"))  # a UnicodeDecodeError before
     assert main(["plan", *(a.format(dir=tmp_path) for a in args)]) == 1
     captured = capsys.readouterr()
     assert captured.out == ""
