@@ -9,7 +9,10 @@ with its own numpy ``exp``, ``a / s``).
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -271,6 +274,42 @@ def test_a_step_ending_at_the_last_int32_position_stores_every_row(num_tokens, c
     args = copy_as_views((k, z, ring.clone(), summary.clone(), *metadata, capacity), triton_device())
     csa_ring_update_triton(*args)
     assert torch.equal(args[2].cpu().view(torch.int16), want.view(torch.int16))
+
+
+_ROOT = Path(__file__).resolve().parents[2]
+# Run in its own process: the out-of-range read this guards against is a segfault under the interpreter
+# (an illegal address on a GPU), which would end the test session instead of failing one test.
+_LEADER_PAST_INT32 = """
+import torch
+from stepops.ops.csa_ring_update.triton_kernel import csa_ring_update_triton
+from stepops.testing import StorageSnapshot, copy_as_views
+
+device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+T, capacity = 12, 7
+k, z = (torch.randn(T, 4).to(torch.bfloat16) for _ in range(2))
+ring = torch.randn(2 * capacity, 8).to(torch.bfloat16)  # the request's ring: rows [7, 14)
+position = torch.full((T,), -1, dtype=torch.int32)
+position[0] = 2**31 - 1  # the leader's own position, where its padding tokens allow any
+metadata = [position] + [torch.full((T,), v, dtype=torch.int32) for v in (0, T, capacity, -1)]
+args = copy_as_views((k, z, ring, torch.zeros(1, 4, dtype=torch.bfloat16), *metadata, capacity), device)
+snapshot = StorageSnapshot(args)
+csa_ring_update_triton(*args)
+assert snapshot.changed_outside_views() == 0
+assert torch.equal(args[2][:capacity].cpu(), ring[:capacity]), "wrote another request's ring"
+print("ok")
+"""
+
+
+def test_a_leader_whose_position_breaks_its_requests_stays_inside_the_step():
+    """Metadata the PyTorch kernel accepts (every id in range) but that break the caller's invariants: a
+    leader at position 2**31 - 1 leading a 12-token chunk of padding. The Triton kernel's first stored
+    position, ``start + chunk_len - capacity``, was int32 and wrapped to -2**31 + 4, so the leader loaded its
+    deferred rows ~2**32 rows before the step's inputs. Whatever the metadata, it reads only the step's rows
+    and writes only its request's ring."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(_ROOT), os.environ.get("PYTHONPATH")])))
+    result = subprocess.run([sys.executable, "-c", _LEADER_PAST_INT32], capture_output=True, text=True, env=env,
+                            timeout=300)  # fmt: skip
+    assert result.returncode == 0 and result.stdout == "ok\n", result.stderr[-3000:] or f"exit {result.returncode}"
 
 
 def test_empty_rows_p0_run_on_both_kernels():

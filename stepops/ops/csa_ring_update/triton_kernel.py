@@ -245,11 +245,13 @@ def _csa_ring_update_kernel(
         # barrier, where they would cost a third round trip: the ring row of read position read_first + i
         # is overwritten by the step's stored position q = read_first + i (mod capacity), if any: the first
         # stored position store_first plus (ring row - store_first) mod capacity.
-        store_first = start_position + tl.maximum(chunk_len - capacity, 0)
+        # int64: a step ending at position 2**31 - 1 has its end (and a q past it) beyond int32, and metadata
+        # that break the caller's invariants (a leader's position past its request's tokens') would wrap
+        # store_first around, and with it q and the deferred rows' flat index, out of the step's rows.
+        store_first = start_position.to(tl.int64) + tl.maximum(chunk_len - capacity, 0)
         i = tl.arange(0, REGION_SIZE)[:, None]
         read_row = _wrap(read_first % capacity + i, capacity)  # read_first >= 0 where the rows are used
-        # int64: a step ending at position 2**31 - 1 has its end (and a q past it) beyond int32.
-        q = store_first.to(tl.int64) + _wrap(read_row - store_first % capacity + capacity, capacity)
+        q = store_first + _wrap(read_row - store_first % capacity + capacity, capacity)
         deferred = (i < tl.where(leads_ring_replay, num_read, 0)) & (q < start_position.to(tl.int64) + chunk_len)
         deferred = deferred & (d[None, :] < P)
         src = (chunk_start + q - start_position).to(tl.int64)
