@@ -277,21 +277,24 @@ def test_a_step_ending_at_the_last_int32_position_stores_every_row(num_tokens, c
 
 
 _ROOT = Path(__file__).resolve().parents[2]
-# Run in its own process: the out-of-range read this guards against is a segfault under the interpreter
-# (an illegal address on a GPU), which would end the test session instead of failing one test.
+# A leader at position 2**31 - 1 leading a 12-token chunk of padding, its request's ring at rows [7, 14).
 _LEADER_PAST_INT32 = """
 import torch
+T, capacity = 12, 7
+k, z = (torch.randn(T, 4).to(torch.bfloat16) for _ in range(2))
+ring = torch.randn(2 * capacity, 8).to(torch.bfloat16)
+position = torch.full((T,), -1, dtype=torch.int32)
+position[0] = 2**31 - 1
+metadata = [position] + [torch.full((T,), v, dtype=torch.int32) for v in (0, T, capacity, -1)]
+args = (k, z, ring.clone(), torch.zeros(1, 4, dtype=torch.bfloat16), *metadata, capacity)
+"""
+# Run in its own process: the out-of-range read this guards against is a segfault under the interpreter
+# (an illegal address on a GPU), which would end the test session instead of failing one test.
+_ON_TRITON = """
 from stepops.ops.csa_ring_update.triton_kernel import csa_ring_update_triton
 from stepops.testing import StorageSnapshot, copy_as_views
 
-device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-T, capacity = 12, 7
-k, z = (torch.randn(T, 4).to(torch.bfloat16) for _ in range(2))
-ring = torch.randn(2 * capacity, 8).to(torch.bfloat16)  # the request's ring: rows [7, 14)
-position = torch.full((T,), -1, dtype=torch.int32)
-position[0] = 2**31 - 1  # the leader's own position, where its padding tokens allow any
-metadata = [position] + [torch.full((T,), v, dtype=torch.int32) for v in (0, T, capacity, -1)]
-args = copy_as_views((k, z, ring, torch.zeros(1, 4, dtype=torch.bfloat16), *metadata, capacity), device)
+args = copy_as_views(args, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
 snapshot = StorageSnapshot(args)
 csa_ring_update_triton(*args)
 assert snapshot.changed_outside_views() == 0
@@ -301,14 +304,17 @@ print("ok")
 
 
 def test_a_leader_whose_position_breaks_its_requests_stays_inside_the_step():
-    """Metadata the PyTorch kernel accepts (every id in range) but that break the caller's invariants: a
-    leader at position 2**31 - 1 leading a 12-token chunk of padding. The Triton kernel's first stored
-    position, ``start + chunk_len - capacity``, was int32 and wrapped to -2**31 + 4, so the leader loaded its
-    deferred rows ~2**32 rows before the step's inputs. Whatever the metadata, it reads only the step's rows
-    and writes only its request's ring."""
+    """Metadata the PyTorch kernel accepts (every id in range) but that break the caller's invariants. The
+    Triton kernel's first stored position, ``start + chunk_len - capacity``, was int32 and wrapped to
+    -2**31 + 4, so the leader loaded its deferred rows ~2**32 rows before the step's inputs. Whatever the
+    metadata, it reads only the step's rows and writes only its request's ring."""
+    scope: dict = {}
+    exec(_LEADER_PAST_INT32, scope)
+    csa_ring_update_torch(*scope["args"])  # accepted: no ValueError
+    assert torch.equal(scope["args"][2], scope["ring"])  # the leader is not among its chunk's last 7 tokens
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(_ROOT), os.environ.get("PYTHONPATH")])))
-    result = subprocess.run([sys.executable, "-c", _LEADER_PAST_INT32], capture_output=True, text=True, env=env,
-                            timeout=300)  # fmt: skip
+    result = subprocess.run([sys.executable, "-c", _LEADER_PAST_INT32 + _ON_TRITON], capture_output=True,
+                            text=True, env=env, timeout=300)  # fmt: skip
     assert result.returncode == 0 and result.stdout == "ok\n", result.stderr[-3000:] or f"exit {result.returncode}"
 
 
