@@ -172,6 +172,32 @@ def _autograd_kernel(op: torch._ops.OpOverload) -> Callable[..., Any]:
     return autograd_kernel
 
 
+def _math_bit_kernel(op: torch._ops.OpOverload) -> Callable[..., Any]:
+    """The ``Conjugate`` and ``Negative`` kernel of ``op``, reached only when an argument is a conjugate or
+    negative view (``c.conj()``, ``c.conj().imag``; plain tensors never carry those keys).
+
+    PyTorch's fallback for those bits cannot write through a view it resolved into a copy (it failed with
+    "Expected Tensor but got None" or an internal assert), so a written argument with a bit is a
+    ``ValueError`` naming it; read-only arguments are resolved, as the fallback resolves them.
+    """
+    mutated = set(written_arguments(op))
+    name = op._schema.name.split("::")[-1]
+    bits = torch._C.DispatchKeySet(torch._C.DispatchKey.Conjugate).add(torch._C.DispatchKey.Negative)
+
+    def math_bit_kernel(keyset, *args, **kwargs):
+        for i, arg in enumerate(args):
+            if i in mutated and isinstance(arg, torch.Tensor) and (arg.is_conj() or arg.is_neg()):
+                raise ValueError(
+                    f"{name}: {op._schema.arguments[i].name} is a {'conjugate' if arg.is_conj() else 'negative'} "
+                    "view, which the op cannot write through; pass the tensor the view was taken of (for "
+                    "c.conj(), c)"
+                )
+        resolved = [a.resolve_conj().resolve_neg() if isinstance(a, torch.Tensor) else a for a in args]
+        return op.redispatch(keyset - bits, *resolved, **kwargs)
+
+    return math_bit_kernel
+
+
 def register_op(
     qualname: str,
     *,
@@ -182,8 +208,9 @@ def register_op(
     fake: Callable[..., Any],
 ) -> torch._ops.OpOverload:
     """Define ``qualname`` (``"namespace::name"``) with the schema of ``torch_kernel``'s annotations and
-    register its CPU kernel (``torch_kernel`` unless ``cpu_kernel`` is given), CUDA kernel, fake and
-    ``Autograd`` kernel; return the op's overload. No registry entry: :func:`declare_op` adds that."""
+    register its CPU kernel (``torch_kernel`` unless ``cpu_kernel`` is given), CUDA kernel, fake,
+    ``Autograd`` kernel and ``Conjugate``/``Negative`` kernels; return the op's overload. No registry
+    entry: :func:`declare_op` adds that."""
     namespace, name = qualname.split("::")
     lib = _library(namespace)
     schema = torch.library.infer_schema(torch_kernel, mutates_args=tuple(mutates_args))
@@ -194,6 +221,8 @@ def register_op(
     torch.library.register_fake(qualname, fake, lib=lib)
     op = getattr(getattr(torch.ops, namespace), name).default
     lib.impl(name, _autograd_kernel(op), "Autograd", with_keyset=True)
+    for math_bit in ("Conjugate", "Negative"):
+        lib.impl(name, _math_bit_kernel(op), math_bit, with_keyset=True)
     return op
 
 

@@ -114,3 +114,21 @@ def test_a_written_tensor_that_requires_grad_is_refused_with_grad_on(sample, lea
             with mode():
                 op(*written, **kwargs)
             assert _same_bits(written[i].detach(), want[i]), mode
+
+
+@pytest.mark.parametrize("sample", _WRITING_SAMPLES, ids=[s.name for s in _WRITING_SAMPLES])
+def test_a_negative_view_of_a_written_tensor_is_refused_by_the_op_itself(sample):
+    """Called through ``torch.ops`` (no wrapper), a written argument that is a negative view is a
+    ``ValueError`` naming it, with nothing written; PyTorch's fallback for the bit failed with "Expected
+    Tensor but got None" or an internal assert."""
+    op, args, kwargs = sample
+    name = op.name().split("::")[-1]
+    for i in _written_float(op, args):
+        base = args[i].clone()
+        before = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+        with_bit = list(args)
+        with_bit[i] = torch._neg_view(base)
+        with pytest.raises(ValueError, match=f"{name}: {op._schema.arguments[i].name} is a negative view"):
+            op(*with_bit, **kwargs)
+        assert _same_bits(base, before[i])
+        assert all(_same_bits(a, b) for a, b in zip(args, before) if isinstance(a, torch.Tensor))

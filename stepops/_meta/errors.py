@@ -26,7 +26,6 @@ def check_arg_types(
     tensors: tuple[tuple[str, object], ...],
     ints: tuple[tuple[str, object], ...] = (),
     bools: tuple[tuple[str, object], ...] = (),
-    written: tuple[str, ...] = (),
 ) -> None:
     """``TypeError`` naming the first argument of a public wrapper that has the wrong Python type.
 
@@ -37,21 +36,10 @@ def check_arg_types(
     would be the offset 1, not V's), ``bools`` bools. A Python int outside int64, which
     the schema's ``SymInt`` cannot hold, is a ``ValueError`` (the dispatcher's reads "Expected a value of
     type 'int' ... found type 'int'").
-
-    The tensors named in ``written`` (the op's ``mutates_args``) must not be conjugate or negative views
-    (``x.conj()`` of a complex tensor, ``x.conj().imag``): the dispatcher's fallback for those bits cannot
-    write through them and fails with "Expected Tensor but got None"; a ``ValueError`` says what to pass.
-    (Checked in eager only: Dynamo cannot trace the bits' bool reads without a graph break.)
     """
-    check_bits = not torch.compiler.is_compiling()
     for name, value in tensors:
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(value).__name__}")
-        if check_bits and name in written and (value.is_conj() or value.is_neg()):
-            raise ValueError(
-                f"{op}: {name} is a {'conjugate' if value.is_conj() else 'negative'} view, which the op cannot "
-                "write through; pass the tensor the view was taken of (for c.conj(), c)"
-            )
     for name, value in ints:
         if not is_int(value):
             raise TypeError(f"{op}: {name} must be an int, got {type(value).__name__}")

@@ -117,7 +117,8 @@ _WRITTEN_CASES = [
 @pytest.mark.parametrize("op, make_args, name", _WRITTEN_CASES, ids=[f"{c[0].__name__}-{c[2]}" for c in _WRITTEN_CASES])
 def test_a_negative_view_of_a_written_tensor_is_a_value_error_naming_it(op, make_args, name):
     """The dispatcher's fallback for the negative bit fails with "Expected Tensor but got None" on a written
-    argument; the wrapper names it and writes nothing (the tensor under the view is unchanged)."""
+    argument; through the wrapper, the op names it and writes nothing (the tensor under the view is
+    unchanged)."""
     args = make_args()
     base = args[name]
     before = base.clone()

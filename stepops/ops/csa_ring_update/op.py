@@ -14,11 +14,9 @@ from stepops.ops.csa_ring_update.samples import samples as csa_ring_update_sampl
 from stepops.ops.csa_ring_update.torch_kernel import csa_ring_update_torch
 from stepops.ops.csa_ring_update.validate import validate_csa_ring_update_inputs
 
-_WRITTEN = ("ring", "summary_cache", "errors")  # the arguments the op writes in place
-
 declare_op(
     "csa_ring_update",
-    mutates_args=_WRITTEN,
+    mutates_args=("ring", "summary_cache", "errors"),
     torch_kernel=csa_ring_update_torch,
     triton_kernel=triton_launcher(
         "stepops::csa_ring_update", "stepops.ops.csa_ring_update.triton_kernel", "csa_ring_update_triton"
@@ -89,7 +87,6 @@ def csa_ring_update(
         ),
         ints=(("capacity", capacity),),
         bools=(("validate", validate),),
-        written=_WRITTEN,
     )  # fmt: skip
     if validate:
         validate_csa_ring_update_inputs(index_k, index_z, ring, summary_cache, metadata, capacity, rows_per_block)

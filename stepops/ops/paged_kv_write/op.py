@@ -12,11 +12,9 @@ from stepops.ops.paged_kv_write.samples import error_inputs, samples
 from stepops.ops.paged_kv_write.torch_kernel import paged_kv_write_torch
 from stepops.ops.paged_kv_write.validate import validate_paged_kv_write_inputs
 
-_WRITTEN = ("key_cache", "value_cache", "errors")  # the arguments the op writes in place
-
 declare_op(
     "paged_kv_write",
-    mutates_args=_WRITTEN,
+    mutates_args=("key_cache", "value_cache", "errors"),
     torch_kernel=paged_kv_write_torch,
     triton_kernel=triton_launcher(
         "stepops::paged_kv_write", "stepops.ops.paged_kv_write.triton_kernel", "paged_kv_write_triton"
@@ -70,7 +68,6 @@ def paged_kv_write(
             ("slot_mapping", slot_mapping), *(() if errors is None else (("errors", errors),)),
         ),
         bools=(("validate", validate),),
-        written=_WRITTEN,
     )  # fmt: skip
     if validate:
         validate_paged_kv_write_inputs(key, value, key_cache, value_cache, slot_mapping)

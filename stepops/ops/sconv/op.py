@@ -13,11 +13,9 @@ from stepops.ops.sconv.samples import error_inputs, samples
 from stepops.ops.sconv.torch_kernel import sconv_torch
 from stepops.ops.sconv.validate import validate_sconv_inputs
 
-_WRITTEN = ("cache", "errors")  # the arguments the op writes in place
-
 declare_op(
     "sconv",
-    mutates_args=_WRITTEN,
+    mutates_args=("cache", "errors"),
     torch_kernel=sconv_torch,
     triton_kernel=triton_launcher("stepops::sconv", "stepops.ops.sconv.triton_kernel", "sconv_triton"),
     fake=sconv_fake,
@@ -82,7 +80,6 @@ def sconv(
         ),
         ints=(("stream_offset", stream_offset),),
         bools=(("residual", residual), ("silu", silu), ("validate", validate)),
-        written=_WRITTEN,
     )  # fmt: skip
     if validate:
         validate_sconv_inputs(x, weight, cache, block_table, metadata, stream_offset)
